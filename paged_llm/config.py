@@ -1,0 +1,168 @@
+"""The engine's configuration, resolved and validated once when an `LLM` is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+# Defaults that depend on the device: a GPU step is cheap, so big batches pay; on a CPU a
+# step of 8192 tokens takes many seconds, and smaller steps keep latency sane.
+_DEFAULT_MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
+_DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 2048}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}.")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but no CUDA device is available.")
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: torch.device) -> torch.dtype:
+    """``"auto"``: float32 on CPU (its fast path), the checkpoint's dtype on GPU."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {dtype}.")
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(config_dtype, str):
+            config_dtype = _DTYPES.get(config_dtype)
+        return config_dtype if config_dtype in _DTYPES.values() else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {dtype!r}.")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs, with defaults resolved.
+
+    Built by `LLM`; see its docstring for the meaning of each field.
+    """
+
+    model_dir: Path
+    hf_config: Any
+    dtype: torch.dtype
+    device: torch.device
+    seed: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    enable_prefix_caching: bool
+    kv_cache_memory_bytes: int | None
+    gpu_memory_utilization: float
+    enforce_eager: bool
+    attention_backend: str
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        model_dir: Path,
+        hf_config: Any,
+        dtype: str | torch.dtype,
+        device: str | torch.device,
+        seed: int,
+        max_model_len: int | None,
+        max_num_seqs: int | None,
+        max_num_batched_tokens: int | None,
+        block_size: int,
+        enable_prefix_caching: bool,
+        kv_cache_memory_bytes: int | None,
+        gpu_memory_utilization: float,
+        enforce_eager: bool,
+        attention_backend: str,
+    ) -> EngineConfig:
+        resolved_device = resolve_device(device)
+        model_max_len = getattr(hf_config, "max_position_embeddings", None)
+        if max_model_len is None:
+            if model_max_len is None:
+                raise ValueError(
+                    "The model config has no max_position_embeddings; pass max_model_len."
+                )
+            max_model_len = model_max_len
+        _check(isinstance(max_model_len, int) and max_model_len >= 2, "max_model_len", max_model_len, "an integer >= 2")
+        if model_max_len is not None and max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's maximum context length "
+                f"(max_position_embeddings={model_max_len}); use max_model_len <= {model_max_len}."
+            )
+        if max_num_seqs is None:
+            max_num_seqs = _DEFAULT_MAX_NUM_SEQS[resolved_device.type]
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = _DEFAULT_MAX_NUM_BATCHED_TOKENS[resolved_device.type]
+        _check(isinstance(seed, int), "seed", seed, "an int")
+        _check(isinstance(max_num_seqs, int) and max_num_seqs >= 1, "max_num_seqs", max_num_seqs, "an integer >= 1")
+        _check(
+            isinstance(max_num_batched_tokens, int) and max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            max_num_batched_tokens,
+            "an integer >= 1",
+        )
+        _check(
+            isinstance(block_size, int) and block_size >= 1 and block_size & (block_size - 1) == 0,
+            "block_size",
+            block_size,
+            "a power of two (16 is usual)",
+        )
+        _check(
+            kv_cache_memory_bytes is None
+            or (isinstance(kv_cache_memory_bytes, int) and kv_cache_memory_bytes > 0),
+            "kv_cache_memory_bytes",
+            kv_cache_memory_bytes,
+            "a positive integer or None",
+        )
+        _check(
+            0.0 < gpu_memory_utilization <= 1.0,
+            "gpu_memory_utilization",
+            gpu_memory_utilization,
+            "in (0, 1]",
+        )
+        _check(
+            attention_backend in ("auto", "torch", "triton"),
+            "attention_backend",
+            attention_backend,
+            "'auto', 'torch' or 'triton'",
+        )
+        if attention_backend == "auto":
+            attention_backend = "triton" if resolved_device.type == "cuda" else "torch"
+        return cls(
+            model_dir=model_dir,
+            hf_config=hf_config,
+            dtype=resolve_dtype(dtype, hf_config, resolved_device),
+            device=resolved_device,
+            seed=seed,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            enable_prefix_caching=bool(enable_prefix_caching),
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=bool(enforce_eager),
+            attention_backend=attention_backend,
+        )
+
+
+def _check(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"LLM argument {name} must be {allowed}, got {value!r}.")

@@ -1,0 +1,278 @@
+"""Runs one scheduled step through the model: batch tensors in, sampled tokens out.
+
+The runner owns the KV cache (one preallocated tensor), the model and the sampler. It
+flattens every scheduled token of every sequence into one batch without padding.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from paged_llm.config import EngineConfig
+from paged_llm.engine.scheduler import ScheduledBatch
+from paged_llm.layers.attention import Attention, AttentionMetadata, get_attention_backend
+from paged_llm.layers.sampler import Sampler, SamplingMetadata
+from paged_llm.loader import load_weights
+from paged_llm.models import get_model_class
+
+logger = logging.getLogger(__name__)
+
+# Share of the RAM available at start-up that the KV cache may take on CPU when no
+# kv_cache_memory_bytes is given.
+CPU_KV_CACHE_RAM_FRACTION = 0.25
+
+
+def load_model(config: EngineConfig) -> nn.Module:
+    """Build the model without initializing weights, then fill it from the checkpoint."""
+    model_class = get_model_class(config.hf_config)
+    with torch.device("meta"):
+        model = model_class(config.hf_config, config.max_model_len, config.device)
+    model = model.to(dtype=config.dtype).to_empty(device=config.device)
+    model.tie_weights()
+    load_weights(model, config.model_dir)
+    return model.eval()
+
+
+def _available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: AttentionMetadata
+    logits_indices: torch.Tensor
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.device
+        self.block_size = config.block_size
+        self.model = load_model(config)
+        self.attention_backend = get_attention_backend(config.attention_backend)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for layer in self.attention_layers:
+            layer.backend = self.attention_backend
+        self.sampler = Sampler()
+        self.kv_cache = torch.empty(0)
+        self.num_blocks = self._allocate_kv_cache()
+
+    # ----- KV cache -------------------------------------------------------------------
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """2 (K and V) x layers x kv heads x head dim x bytes per element."""
+        first = self.attention_layers[0]
+        element_size = torch.empty(0, dtype=self.config.dtype).element_size()
+        return 2 * len(self.attention_layers) * first.num_kv_heads * first.head_dim * element_size
+
+    def _kv_cache_budget_bytes(self) -> int:
+        config = self.config
+        if config.kv_cache_memory_bytes is not None:
+            return config.kv_cache_memory_bytes
+        if self.device.type == "cuda":
+            return self._profile_gpu_budget_bytes()
+        # A CPU has no profiling pass to learn from; take a fixed share of free RAM, and
+        # no more than max_num_seqs full-length sequences could ever use.
+        most_useful = config.max_num_seqs * config.max_model_len * self.kv_bytes_per_token
+        return min(int(_available_ram_bytes() * CPU_KV_CACHE_RAM_FRACTION), most_useful)
+
+    def _profile_gpu_budget_bytes(self) -> int:
+        """What is left of ``gpu_memory_utilization`` of the device after the weights and
+        the activations of one full step (measured by running one)."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._dummy_run(self.config.max_num_batched_tokens)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        # Memory other processes and the CUDA context hold is unavailable to us as well.
+        free, _ = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        return int(total * self.config.gpu_memory_utilization) - peak - used_by_others
+
+    def _allocate_kv_cache(self) -> int:
+        config = self.config
+        budget = self._kv_cache_budget_bytes()
+        bytes_per_block = self.kv_bytes_per_token * self.block_size
+        num_blocks = max(budget // bytes_per_block, 0)
+        blocks_per_seq = -(-config.max_model_len // self.block_size)
+        if num_blocks < blocks_per_seq:
+            fits = num_blocks * self.block_size
+            knob = (
+                "kv_cache_memory_bytes"
+                if config.kv_cache_memory_bytes is not None or self.device.type == "cpu"
+                else "gpu_memory_utilization (or kv_cache_memory_bytes)"
+            )
+            raise ValueError(
+                f"The KV cache cannot hold one sequence of max_model_len={config.max_model_len} "
+                f"tokens: that needs {blocks_per_seq * bytes_per_block / 2**30:.3f} GiB, and "
+                f"{max(budget, 0) / 2**30:.3f} GiB are available for the cache "
+                f"({fits} tokens). Raise {knob}, or lower max_model_len to at most {fits}."
+            )
+        first = self.attention_layers[0]
+        shape = self.attention_backend.kv_cache_shape(
+            num_blocks, self.block_size, first.num_kv_heads, first.head_dim
+        )
+        # NOTE: zero-filled, not empty: attention reads whole blocks and masks the unused
+        # tail, and a NaN bit pattern there would survive a zero weight.
+        self.kv_cache = torch.zeros(
+            (len(self.attention_layers), 2, *shape), dtype=config.dtype, device=self.device
+        )
+        for i, layer in enumerate(self.attention_layers):
+            layer.key_cache, layer.value_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); maximum concurrency at "
+            "max_model_len=%d: %.2fx.",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.block_size,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
+            config.max_model_len,
+            num_blocks / blocks_per_seq,
+        )
+        return num_blocks
+
+    def _dummy_run(self, num_tokens: int) -> None:
+        """A forward pass over ``num_tokens`` fresh prompt tokens, with a throwaway cache."""
+        seq_len = min(num_tokens, self.config.max_model_len)
+        seq_lens = [seq_len] * (num_tokens // seq_len)
+        if num_tokens % seq_len:
+            seq_lens.append(num_tokens % seq_len)
+        blocks_per_seq = -(-seq_len // self.block_size)
+        first = self.attention_layers[0]
+        shape = self.attention_backend.kv_cache_shape(
+            blocks_per_seq * len(seq_lens), self.block_size, first.num_kv_heads, first.head_dim
+        )
+        scratch = torch.zeros((2, *shape), dtype=self.config.dtype, device=self.device)
+        for layer in self.attention_layers:
+            layer.key_cache, layer.value_cache = scratch[0], scratch[1]
+        block_tables = [
+            list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(seq_lens))
+        ]
+        inputs = self._build_inputs(
+            token_ids=[[0] * n for n in seq_lens],
+            num_computed=[0] * len(seq_lens),
+            num_scheduled=seq_lens,
+            block_tables=block_tables,
+            samples=[True] * len(seq_lens),
+        )
+        with torch.inference_mode():
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
+            self.model.compute_logits(hidden[inputs.logits_indices])
+
+    # ----- one step -------------------------------------------------------------------
+
+    def _build_inputs(
+        self,
+        token_ids: list[list[int]],
+        num_computed: list[int],
+        num_scheduled: list[int],
+        block_tables: list[list[int]],
+        samples: list[bool],
+    ) -> StepInputs:
+        """Flat batch tensors for sequences with these tokens, computed counts, step
+        sizes and block tables. Per-token work is vectorized; only the gathering of each
+        sequence's new tokens and block table is a Python loop."""
+        num_seqs = len(token_ids)
+        block_size = self.block_size
+        step_ids: list[int] = []
+        for ids, start, count in zip(token_ids, num_computed, num_scheduled, strict=True):
+            step_ids.extend(ids[start : start + count])
+        computed = np.asarray(num_computed, dtype=np.int64)
+        scheduled = np.asarray(num_scheduled, dtype=np.int64)
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(scheduled, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        seq_index = np.repeat(np.arange(num_seqs), scheduled)
+        positions = np.arange(num_tokens) - query_start_loc[seq_index] + computed[seq_index]
+        seq_lens = computed + scheduled
+        max_blocks = max(len(table) for table in block_tables)
+        table_array = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        for row, table in enumerate(block_tables):
+            table_array[row, : len(table)] = table
+        slot_mapping = (
+            table_array[seq_index, positions // block_size].astype(np.int64) * block_size
+            + positions % block_size
+        )
+        logits_indices = (query_start_loc[1:] - 1)[np.asarray(samples, dtype=bool)]
+
+        device = self.device
+        attention = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+            block_tables=torch.from_numpy(table_array).to(device),
+            query_start_loc_cpu=query_start_loc.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            max_query_len=int(scheduled.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=block_size,
+        )
+        attention.backend_data = self.attention_backend.prepare(attention)
+        return StepInputs(
+            input_ids=torch.tensor(step_ids, dtype=torch.long, device=device),
+            positions=torch.from_numpy(positions).to(device),
+            attention=attention,
+            logits_indices=torch.from_numpy(logits_indices).to(device),
+        )
+
+    def _sampling_metadata(self, batch: ScheduledBatch, samples: list[bool]) -> SamplingMetadata:
+        seqs = [seq for seq, sample in zip(batch.seqs, samples, strict=True) if sample]
+        temperatures = [seq.sampling_params.temperature for seq in seqs]
+        device = self.device
+        return SamplingMetadata(
+            temperature=torch.tensor(temperatures, dtype=torch.float32, device=device),
+            seeds=torch.tensor([seq.seed for seq in seqs], dtype=torch.long, device=device),
+            counters=torch.tensor(
+                [seq.num_output_tokens for seq in seqs], dtype=torch.long, device=device
+            ),
+            all_greedy=all(seq.sampling_params.is_greedy for seq in seqs),
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[int]:
+        """Run the step; return one sampled token per sequence that completes its tokens."""
+        samples = [
+            seq.num_computed_tokens + count == seq.num_tokens
+            for seq, count in zip(batch.seqs, batch.num_scheduled_tokens, strict=True)
+        ]
+        inputs = self._build_inputs(
+            token_ids=[seq.token_ids for seq in batch.seqs],
+            num_computed=[seq.num_computed_tokens for seq in batch.seqs],
+            num_scheduled=batch.num_scheduled_tokens,
+            block_tables=[seq.block_table for seq in batch.seqs],
+            samples=samples,
+        )
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
+        if not any(samples):
+            return []
+        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        tokens = self.sampler(logits, self._sampling_metadata(batch, samples))
+        return tokens.tolist()
+
+    def shutdown(self) -> None:
+        """Drop the KV cache and the weights so their memory can be reclaimed."""
+        for layer in self.attention_layers:
+            layer.key_cache = layer.value_cache = torch.empty(0)
+        self.attention_layers.clear()
+        self.kv_cache = torch.empty(0)
+        self.model = nn.Module()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

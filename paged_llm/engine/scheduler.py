@@ -1,0 +1,178 @@
+"""Continuous batching: which sequences run each step, and how many tokens each.
+
+The scheduler speaks only in token counts. Every step it first gives each running
+sequence the tokens it still needs (one for a decode, a chunk for an unfinished
+prefill), then admits waiting sequences first-come first-served while the token
+budget and ``max_num_seqs`` allow, chunking a prompt that does not fit. When a running
+sequence needs a block and none is free, the most recently admitted running sequence
+is preempted: its blocks are freed and it waits again at the front of the queue,
+keeping its generated tokens, to be recomputed later.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from paged_llm.engine.block_manager import BlockManager
+from paged_llm.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One step's work: ``num_scheduled_tokens[i]`` tokens of ``seqs[i]``, starting at its
+    ``num_computed_tokens``. Sequences whose last token is among them sample a token."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        # In admission order: the last one is the most recently admitted.
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                batch.seqs.append(seq)
+                batch.num_scheduled_tokens.append(num_new)
+                budget -= num_new
+                i += 1
+
+        # NOTE: no admissions in a step that preempted: blocks are short, and a newcomer
+        # would only be preempted in turn.
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            cached_prefix = self.block_manager.find_cached_prefix(seq)
+            num_cached = len(cached_prefix) * self.block_manager.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not self.block_manager.allocate_slots(seq, num_new, cached_prefix):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = num_cached
+            if seq.metrics.first_scheduled_time is None:
+                seq.num_cached_tokens = num_cached
+                seq.metrics.first_scheduled_time = time.time()
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_scheduled_tokens.append(num_new)
+            budget -= num_new
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        if self.num_preemptions == 1 or self.num_preemptions % 100 == 0:
+            logger.warning(
+                "Sequence %s was preempted because the KV cache ran out of blocks "
+                "(%d preemptions so far); it will be recomputed, which costs time. To "
+                "avoid it, give the cache more memory (kv_cache_memory_bytes or "
+                "gpu_memory_utilization) or lower max_num_seqs or max_num_batched_tokens.",
+                seq.request_id,
+                self.num_preemptions,
+            )
+
+    def update(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Sequence]:
+        """Advance the batch by the step that just ran; return the sequences it finished.
+
+        ``sampled_token_ids`` holds one token per sequence that reached its last token,
+        in batch order.
+        """
+        finished: list[Sequence] = []
+        now = time.time()
+        tokens = iter(sampled_token_ids)
+        for seq, num_new in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
+            seq.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue
+            seq.token_ids.append(next(tokens))
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            seq.metrics.last_token_time = now
+            if self._check_stop(seq):
+                finished.append(seq)
+        for seq in finished:
+            self.finish(seq, seq.finish_reason, seq.stop_reason)
+        return finished
+
+    def _check_stop(self, seq: Sequence) -> bool:
+        params = seq.sampling_params
+        token = seq.token_ids[-1]
+        num_output = seq.num_output_tokens
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token in self.config.eos_token_ids:
+                seq.finish_reason, seq.stop_reason = FinishReason.STOP, None
+                return True
+            if token in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
+                return True
+        if (
+            params.max_tokens is not None and num_output >= params.max_tokens
+        ) or seq.num_tokens >= self.config.max_model_len:
+            seq.finish_reason = FinishReason.LENGTH
+            return True
+        return False
+
+    def finish(
+        self, seq: Sequence, reason: FinishReason | None, stop_reason: int | str | None = None
+    ) -> None:
+        """End a sequence now (a stop condition, or a stop string found in its text)."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        seq.metrics.finished_time = time.time()
+        self.block_manager.free(seq)
+        self.running.remove(seq)

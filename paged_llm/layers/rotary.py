@@ -1,0 +1,89 @@
+"""Rotary position embedding (NeoX / Hugging Face "rotate_half" layout)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The rope settings of a config, from transformers 5's ``rope_parameters`` or the older
+    ``rope_theta`` + ``rope_scaling`` fields."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params = dict(params)
+    params.setdefault("rope_type", params.pop("type", "default"))
+    return params
+
+
+def _inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    # Same expression (and float32 rounding) as transformers, so positions rotate identically.
+    base = params["rope_theta"]
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim
+    inv_freq = 1.0 / (base**exponents)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "llama3":
+        factor = params["factor"]
+        low_freq_factor = params["low_freq_factor"]
+        high_freq_factor = params["high_freq_factor"]
+        old_context_len = params["original_max_position_embeddings"]
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(
+        f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
+    )
+
+
+def compute_cos_sin_cache(
+    head_dim: int, max_position: int, params: dict[str, Any], device: torch.device | str
+) -> torch.Tensor:
+    """``[max_position, head_dim]`` float32: cos of the angles, then sin.
+
+    Computed on the CPU explicitly, so it is real even while the model is built on meta.
+    """
+    inv_freq = _inverse_frequencies(head_dim, params)
+    positions = torch.arange(max_position, dtype=torch.float, device="cpu")
+    freqs = positions[:, None] * inv_freq[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates query and key heads by their token's position.
+
+    The cos/sin table is a plain attribute rather than a buffer: models are built on the
+    meta device and materialized empty, and a buffer would lose its values there.
+    """
+
+    def __init__(
+        self, head_dim: int, max_position: int, params: dict[str, Any], device: torch.device | str
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.cos_sin_cache = compute_cos_sin_cache(head_dim, max_position, params, device)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """query ``[T, H, D]``, key ``[T, Hkv, D]``; returns the rotated pair."""
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

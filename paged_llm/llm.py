@@ -1,0 +1,297 @@
+"""The public entry point: `LLM`, shaped like vLLM's offline `LLM` class."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence as SequenceABC
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+
+from paged_llm.config import EngineConfig
+from paged_llm.engine.llm_engine import EngineMetrics, LLMEngine
+from paged_llm.engine.sequence import Sequence
+from paged_llm.model_files import resolve_model
+from paged_llm.outputs import CompletionOutput, RequestOutput
+from paged_llm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """An offline batch-inference engine for one model.
+
+    Args:
+        model: A local Hugging Face model directory (config.json, safetensors weights,
+            tokenizer files), a ``.gguf`` file, or a hub id found in the local cache.
+        tokenizer: Where to load the tokenizer from, when not from ``model``.
+        dtype: "auto" (float32 on CPU, the checkpoint's dtype on GPU), "float32",
+            "bfloat16" or "float16".
+        device: "auto" (CUDA when available), "cpu" or "cuda".
+        seed: Seeds the draws of requests without a seed of their own.
+        max_model_len: Longest sequence (prompt + output) the engine serves; defaults to
+            the model's ``max_position_embeddings``. Lower it to what you need: the KV
+            cache is sized to hold at least one sequence this long.
+        max_num_seqs: Most sequences in one step (default 64 on CPU, 256 on GPU).
+        max_num_batched_tokens: Most tokens in one step; longer prompts are prefilled in
+            chunks (default 2048 on CPU, 8192 on GPU).
+        block_size: Tokens per KV-cache block.
+        enable_prefix_caching: Share the KV cache of identical prompt prefixes.
+        kv_cache_memory_bytes: Size of the KV cache; by default a share of free memory.
+        gpu_memory_utilization: On GPU, the share of device memory the engine may use.
+        enforce_eager: On GPU, never capture CUDA graphs.
+        attention_backend: "auto", "torch" or "triton".
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        tokenizer: str | Path | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
+        attention_backend: str = "auto",
+    ) -> None:
+        model_dir = resolve_model(model).path
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+            tokenizer or model_dir
+        )
+        self.config = EngineConfig.create(
+            model_dir=model_dir,
+            hf_config=hf_config,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            attention_backend=attention_backend,
+        )
+        self.generation_config = _read_generation_config(model_dir)
+        self.eos_token_ids = _eos_token_ids(self.generation_config, self.tokenizer)
+        self.vocab_size: int = hf_config.vocab_size
+        self.engine: LLMEngine | None = LLMEngine(self.config, self.eos_token_ids)
+        self._request_counter = 0
+
+    # ----- lifecycle --------------------------------------------------------------------
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Free the KV cache and the weights. The LLM cannot generate afterwards."""
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+    def _live_engine(self) -> LLMEngine:
+        if self.engine is None:
+            raise RuntimeError("This LLM was shut down; create a new one to generate.")
+        return self.engine
+
+    # ----- generation ---------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete every prompt; results come back in input order.
+
+        ``prompts``: a string, a ``{"prompt_token_ids": [...]}`` dict, or a list of them.
+        ``sampling_params``: one for all prompts, or a list with one per prompt. Every
+        request is validated before any work starts; a bad one raises ValueError naming
+        its index.
+        """
+        engine = self._live_engine()
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params_list = self._params_per_prompt(sampling_params, len(prompt_list))
+        requests = [
+            (text, token_ids, params)
+            for (text, token_ids), params in zip(
+                self._tokenize(prompt_list), params_list, strict=True
+            )
+        ]
+        for index, (_, token_ids, params) in enumerate(requests):
+            self._validate_request(index, token_ids, params)
+
+        order: dict[str, int] = {}
+        texts: dict[str, str | None] = {}
+        for index, (text, token_ids, params) in enumerate(requests):
+            request_id = str(self._request_counter)
+            self._request_counter += 1
+            order[request_id] = index
+            texts[request_id] = text
+            engine.add_request(request_id, token_ids, params)
+
+        results: list[RequestOutput | None] = [None] * len(requests)
+        with tqdm(
+            total=len(requests), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
+        ) as progress:
+            while engine.has_unfinished():
+                for seq in engine.step():
+                    results[order[seq.request_id]] = self._request_output(
+                        seq, texts[seq.request_id]
+                    )
+                    progress.update(1)
+        assert all(result is not None for result in results)
+        return results  # type: ignore[return-value]
+
+    def _params_per_prompt(
+        self,
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None,
+        num_prompts: int,
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * num_prompts
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num_prompts
+        params = list(sampling_params)
+        if len(params) != num_prompts:
+            raise ValueError(
+                f"Got {len(params)} SamplingParams for {num_prompts} prompts; pass one "
+                "SamplingParams for all prompts or a list with exactly one per prompt."
+            )
+        for index, item in enumerate(params):
+            if not isinstance(item, SamplingParams):
+                raise ValueError(
+                    f"Request {index}: sampling_params must be a SamplingParams, got "
+                    f"{type(item).__name__}."
+                )
+        return params
+
+    def _tokenize(self, prompts: list[Any]) -> list[tuple[str | None, list[int]]]:
+        texts = {i: p for i, p in enumerate(prompts) if isinstance(p, str)}
+        encoded = dict(
+            zip(texts, self.tokenizer(list(texts.values()))["input_ids"], strict=True)
+        ) if texts else {}
+        tokenized: list[tuple[str | None, list[int]]] = []
+        for index, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                tokenized.append((prompt, list(encoded[index])))
+            elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+                token_ids = prompt["prompt_token_ids"]
+                if not isinstance(token_ids, (list, tuple)) or not all(
+                    isinstance(t, int) for t in token_ids
+                ):
+                    raise ValueError(
+                        f"Request {index}: prompt_token_ids must be a list of ints, got "
+                        f"{type(token_ids).__name__}."
+                    )
+                tokenized.append((prompt.get("prompt"), list(token_ids)))
+            else:
+                raise ValueError(
+                    f"Request {index}: a prompt must be a str or a dict with 'prompt_token_ids', "
+                    f"got {type(prompt).__name__}."
+                )
+        return tokenized
+
+    def _validate_request(self, index: int, token_ids: list[int], params: SamplingParams) -> None:
+        max_model_len = self.config.max_model_len
+        if not token_ids:
+            raise ValueError(
+                f"Request {index}: the prompt is empty (0 tokens); every request needs at "
+                "least one prompt token."
+            )
+        if len(token_ids) + 1 > max_model_len:
+            raise ValueError(
+                f"Request {index}: the prompt has {len(token_ids)} tokens, but "
+                f"max_model_len={max_model_len} leaves room for at most {max_model_len - 1} "
+                "prompt tokens plus 1 generated token. Shorten the prompt, or raise "
+                "max_model_len (up to the model's max_position_embeddings="
+                f"{self.config.hf_config.max_position_embeddings})."
+            )
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"Request {index}: prompt token id {bad} is outside the vocabulary "
+                f"[0, {self.vocab_size})."
+            )
+        try:
+            params.verify()
+        except ValueError as error:
+            raise ValueError(f"Request {index}: {error}") from None
+        bad = next((t for t in params.token_ids_in_use() if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"Request {index}: SamplingParams names token id {bad}, outside the vocabulary "
+                f"[0, {self.vocab_size})."
+            )
+
+    def _request_output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
+        params = seq.sampling_params
+        output_ids = seq.output_token_ids
+        text = (
+            self.tokenizer.decode(
+                output_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            )
+            if params.detokenize
+            else ""
+        )
+        completion = CompletionOutput(
+            index=seq.index,
+            text=text,
+            token_ids=output_ids,
+            cumulative_logprob=None,
+            logprobs=None,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            stop_reason=seq.stop_reason,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[completion],
+            finished=True,
+            num_cached_tokens=seq.num_cached_tokens,
+            metrics=seq.metrics,
+        )
+
+    # ----- introspection ----------------------------------------------------------------
+
+    def get_metrics(self) -> EngineMetrics:
+        """Engine counters: requests, tokens, preemptions, prefix-cache hits."""
+        return self._live_engine().get_metrics()
+
+
+def _read_generation_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "generation_config.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _eos_token_ids(
+    generation_config: dict[str, Any], tokenizer: PreTrainedTokenizerBase
+) -> frozenset[int]:
+    """EOS ids from generation_config.json (an int or a list) and the tokenizer."""
+    ids = generation_config.get("eos_token_id")
+    eos = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return frozenset(eos)

@@ -1,0 +1,31 @@
+"""Model registry, keyed by the architecture names of Hugging Face configs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from paged_llm.models.llama import LlamaForCausalLM
+from paged_llm.models.qwen2 import Qwen2ForCausalLM
+from paged_llm.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    # Mistral's decoder is Llama's; its sliding window comes from the config.
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(hf_config: Any) -> type[nn.Module]:
+    """The class implementing the config's architecture, or a ValueError listing ours."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    for name in architectures:
+        if name in MODEL_REGISTRY:
+            return MODEL_REGISTRY[name]
+    raise ValueError(
+        f"Model architecture {architectures or '(none in config.json)'} is not supported. "
+        f"Supported architectures: {', '.join(sorted(MODEL_REGISTRY))}."
+    )

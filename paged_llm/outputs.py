@@ -1,0 +1,84 @@
+"""What `LLM.generate` returns, shaped like vLLM's `RequestOutput` and `CompletionOutput`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Logprob:
+    """Log probability of one token at one position.
+
+    ``rank`` is 1 for the most likely token of the model's distribution.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per position: token id -> its Logprob.
+SampleLogprobs = list[dict[int, Logprob]]
+# The first prompt token has no logprob (nothing precedes it), hence None.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a prompt.
+
+    ``finish_reason`` is "stop" (EOS, a stop token or a stop string; ``stop_reason``
+    names the token id or string, None for EOS) or "length" (``max_tokens`` or the
+    model's context length).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (``time.time()`` seconds) in the life of one request."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_in_queue(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """The result of one prompt: its completions and how they were produced.
+
+    ``num_cached_tokens`` counts prompt tokens served from the prefix cache.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    prompt_logprobs: PromptLogprobs | None = None

@@ -1,0 +1,194 @@
+"""Sampling parameters for text generation, with vLLM's field names, defaults and meaning."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Below this temperature sampling is greedy, as in vLLM.
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the completion of one prompt.
+
+    Every field keeps the name, default and meaning of ``vllm.SamplingParams``.
+
+    Args:
+        n: Number of completions to return for the prompt.
+        presence_penalty: Subtracted from the logit of every token that already appears
+            in the generated text. Range [-2, 2].
+        frequency_penalty: Subtracted from a token's logit once per occurrence in the
+            generated text. Range [-2, 2].
+        repetition_penalty: Divides positive (multiplies negative) logits of tokens that
+            appear in the prompt or the generated text. Must be > 0; 1 disables it.
+        temperature: Softmax temperature; 0 means greedy decoding.
+        top_p: Keep the smallest set of most likely tokens whose probability mass reaches
+            ``top_p``. Range (0, 1].
+        top_k: Keep the ``top_k`` most likely tokens; 0 or -1 disables it.
+        min_p: Drop tokens whose probability is below ``min_p`` times the most likely
+            token's. Range [0, 1].
+        seed: Seed for this request's random draws. The same seed gives the same tokens
+            whatever else runs in the batch.
+        stop: Strings that end the completion when generated; not part of the text
+            unless ``include_stop_str_in_output``.
+        stop_token_ids: Token ids that end the completion; the token stays in
+            ``token_ids``.
+        bad_words: Words that are never generated (as token sequences).
+        include_stop_str_in_output: Keep the matched stop string in the text.
+        ignore_eos: Keep generating after the end-of-sequence token.
+        max_tokens: Maximum number of generated tokens per completion; None means up to
+            the model's context length.
+        min_tokens: EOS and stop tokens are suppressed until this many tokens exist.
+        logprobs: Number of most likely tokens to report log probabilities for at each
+            generated position (the sampled token is always included); -1 means the
+            whole vocabulary.
+        prompt_logprobs: Same, for every prompt token.
+        detokenize: Produce ``text``; False returns token ids only (stop strings then
+            cannot be used).
+        skip_special_tokens: Drop special tokens from the text.
+        spaces_between_special_tokens: Put spaces between special tokens in the text.
+        logit_bias: Token id to a bias added to its logit, in [-100, 100].
+        allowed_token_ids: When given, only these tokens can be generated.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.verify()
+        if self.is_greedy:
+            # Filters do not change an argmax; dropping them keeps greedy rows on the fast path.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether tokens are chosen by argmax rather than drawn."""
+        return self.temperature < _GREEDY_EPS
+
+    def verify(self) -> None:
+        """Raise ValueError naming the first field whose value is out of range."""
+        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2.0 <= value <= 2.0, name, value, "in [-2, 2]")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "> 0")
+        _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0 (0 means greedy)")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            "top_k",
+            self.top_k,
+            "an integer >= 1, or 0 / -1 to disable",
+        )
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
+        _check(
+            self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an int or None"
+        )
+        _check(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            "max_tokens",
+            self.max_tokens,
+            "an integer >= 1, or None for up to max_model_len",
+        )
+        _check(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            "min_tokens",
+            self.min_tokens,
+            "an integer >= 0",
+        )
+        if self.max_tokens is not None:
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                self.min_tokens,
+                f"<= max_tokens={self.max_tokens}",
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(
+                value is None or (isinstance(value, int) and value >= -1),
+                name,
+                value,
+                "None, an integer >= 0, or -1 for the whole vocabulary",
+            )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            self.stop,
+            "non-empty strings",
+        )
+        _check(
+            self.detokenize or not self.stop,
+            "stop",
+            self.stop,
+            "empty when detokenize=False (stop strings need text)",
+        )
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            self.stop_token_ids,
+            "non-negative token ids",
+        )
+        _check(
+            all(isinstance(w, str) and w for w in self.bad_words),
+            "bad_words",
+            self.bad_words,
+            "non-empty strings",
+        )
+        if self.logit_bias is not None:
+            _check(
+                all(isinstance(t, int) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()),
+                "logit_bias",
+                self.logit_bias,
+                "token ids mapped to biases in [-100, 100]",
+            )
+        if self.allowed_token_ids is not None:
+            _check(
+                len(self.allowed_token_ids) > 0
+                and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
+                "allowed_token_ids",
+                self.allowed_token_ids,
+                "a non-empty list of token ids",
+            )
+
+    def token_ids_in_use(self) -> list[int]:
+        """Token ids named by the parameters, to be checked against the vocabulary."""
+        ids = list(self.stop_token_ids)
+        ids.extend(self.logit_bias or ())
+        ids.extend(self.allowed_token_ids or ())
+        return ids
+
+
+def _check(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}.")
