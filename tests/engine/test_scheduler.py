@@ -1,0 +1,170 @@
+"""The scheduler, driven without a model: fake tokens, real block accounting."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import given, settings
+
+from paged_llm.engine.block_manager import BlockManager
+from paged_llm.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from paged_llm.engine.sequence import Sequence, SequenceStatus
+from tests.engine.helpers import make_seq
+
+EOS = 2
+FILLER = 7
+
+
+def make_scheduler(
+    *,
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 32,
+    max_model_len: int = 64,
+    prefix_caching: bool = True,
+) -> Scheduler:
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        eos_token_ids=frozenset({EOS}),
+    )
+    return Scheduler(config, BlockManager(num_blocks, block_size, prefix_caching))
+
+
+def make_prompt_seq(num_prompt_tokens: int, **params: object) -> Sequence:
+    return make_seq([10 + (i % 50) for i in range(num_prompt_tokens)], **params)
+
+
+def step(scheduler: Scheduler, token: int = FILLER) -> tuple[ScheduledBatch, list[Sequence]]:
+    batch = scheduler.schedule()
+    return batch, scheduler.update(batch, [token] * sum(batch.samples))
+
+
+def test_long_prompt_is_chunked_and_decodes_run_alongside() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    short, long = make_prompt_seq(3, max_tokens=4), make_prompt_seq(20, max_tokens=2)
+    scheduler.add(short)
+    scheduler.add(long)
+    batch, _ = step(scheduler)
+    assert batch.num_scheduled_tokens == [3, 5]
+    batch, _ = step(scheduler)
+    # The decode of `short` comes first, then the next chunk of `long`.
+    assert batch.seqs == [short, long] and batch.num_scheduled_tokens == [1, 7]
+    assert long.num_output_tokens == 0 and short.num_output_tokens == 2
+
+
+def test_fcfs_admission_under_max_num_seqs() -> None:
+    scheduler = make_scheduler(max_num_seqs=2)
+    seqs = [make_prompt_seq(4, max_tokens=3) for _ in range(5)]
+    for seq in seqs:
+        scheduler.add(seq)
+    admitted: list[Sequence] = []
+    while scheduler.has_unfinished():
+        batch, _ = step(scheduler)
+        admitted.extend(s for s in batch.seqs if s not in admitted)
+        assert len(batch.seqs) <= 2
+    assert admitted == seqs
+
+
+def test_preemption_takes_the_most_recently_admitted() -> None:
+    # 6 blocks of 4 tokens; three 7-token prompts take 2 blocks each and fill the pool.
+    scheduler = make_scheduler(num_blocks=6, max_model_len=16)
+    first, second, third = (make_prompt_seq(7, max_tokens=8, ignore_eos=True) for _ in range(3))
+    for seq in (first, second, third):
+        scheduler.add(seq)
+    step(scheduler)  # prefill all three (7 tokens in 2 blocks each)
+    step(scheduler)  # decode position 7: the second blocks are now full
+    batch, _ = step(scheduler)  # `first` needs a third block: `third` must go
+    assert scheduler.num_preemptions == 1
+    assert third.status is SequenceStatus.WAITING and scheduler.waiting[0] is third
+    assert third.num_computed_tokens == 0 and third.block_table == []
+    assert third.num_output_tokens == 2, "generated tokens are kept"
+    assert batch.seqs == [first, second]
+    while scheduler.has_unfinished():
+        step(scheduler)
+    assert all(s.num_output_tokens == 8 for s in (first, second, third))
+
+
+def test_stop_conditions() -> None:
+    scheduler = make_scheduler()
+    eos = make_prompt_seq(3, max_tokens=10)
+    ignore = make_prompt_seq(3, max_tokens=3, ignore_eos=True)
+    stop_token = make_prompt_seq(3, max_tokens=10, stop_token_ids=[EOS], ignore_eos=True)
+    min_tokens = make_prompt_seq(3, max_tokens=10, min_tokens=2)
+    for seq in (eos, ignore, stop_token, min_tokens):
+        scheduler.add(seq)
+    _, finished = step(scheduler, token=EOS)
+    assert finished == [eos, stop_token]
+    assert (eos.finish_reason, eos.stop_reason) == ("stop", None)
+    assert (stop_token.finish_reason, stop_token.stop_reason) == ("stop", EOS)
+    _, finished = step(scheduler, token=EOS)
+    assert finished == [min_tokens] and min_tokens.num_output_tokens == 2
+    _, finished = step(scheduler, token=EOS)
+    assert finished == [ignore] and ignore.finish_reason == "length"
+
+
+def test_max_model_len_ends_generation() -> None:
+    scheduler = make_scheduler(max_model_len=10)
+    seq = make_prompt_seq(6, max_tokens=None)
+    scheduler.add(seq)
+    while scheduler.has_unfinished():
+        step(scheduler)
+    assert seq.num_tokens == 10 and seq.finish_reason == "length"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompt_lens=st.lists(st.integers(1, 40), min_size=1, max_size=12),
+    max_tokens=st.lists(st.integers(1, 12), min_size=12, max_size=12),
+    max_num_seqs=st.integers(1, 6),
+    budget=st.integers(1, 48),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    spare_blocks=st.integers(0, 20),
+    shared_prefix=st.booleans(),
+)
+def test_every_request_finishes_within_limits_and_leaks_nothing(
+    prompt_lens: list[int],
+    max_tokens: list[int],
+    max_num_seqs: int,
+    budget: int,
+    block_size: int,
+    spare_blocks: int,
+    shared_prefix: bool,
+) -> None:
+    max_model_len = 56
+    scheduler = make_scheduler(
+        # The pool always holds one full-length sequence (the engine checks this at start).
+        num_blocks=-(-max_model_len // block_size) + spare_blocks,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+    )
+    seqs = [
+        make_prompt_seq(n, max_tokens=m, ignore_eos=True)
+        for n, m in zip(prompt_lens, max_tokens, strict=False)
+    ]
+    if shared_prefix:
+        for seq in seqs:
+            seq.token_ids[: min(16, seq.num_prompt_tokens)] = [3] * min(16, seq.num_prompt_tokens)
+    for seq in seqs:
+        scheduler.add(seq)
+    admitted: list[Sequence] = []
+    for _ in range(10_000):
+        if not scheduler.has_unfinished():
+            break
+        batch, _ = step(scheduler)
+        assert batch.num_tokens <= budget
+        assert len(batch.seqs) <= max_num_seqs and len(scheduler.running) <= max_num_seqs
+        assert len(set(map(id, batch.seqs))) == len(batch.seqs)
+        assert all(n >= 1 for n in batch.num_scheduled_tokens)
+        admitted.extend(s for s in batch.seqs if s not in admitted)
+    assert not scheduler.has_unfinished()
+    assert admitted == seqs, "first come, first served"
+    for seq, m in zip(seqs, max_tokens, strict=False):
+        assert seq.is_finished
+        assert seq.num_output_tokens == min(m, max_model_len - seq.num_prompt_tokens)
+    bm = scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(block.ref_count == 0 for block in bm.blocks)
