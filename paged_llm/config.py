@@ -100,7 +100,12 @@ class EngineConfig:
                     "The model config has no max_position_embeddings; pass max_model_len."
                 )
             max_model_len = model_max_len
-        _check(isinstance(max_model_len, int) and max_model_len >= 2, "max_model_len", max_model_len, "an integer >= 2")
+        _check(
+            isinstance(max_model_len, int) and max_model_len >= 2,
+            "max_model_len",
+            max_model_len,
+            "an integer >= 2",
+        )
         if model_max_len is not None and max_model_len > model_max_len:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's maximum context length "
@@ -111,7 +116,12 @@ class EngineConfig:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = _DEFAULT_MAX_NUM_BATCHED_TOKENS[resolved_device.type]
         _check(isinstance(seed, int), "seed", seed, "an int")
-        _check(isinstance(max_num_seqs, int) and max_num_seqs >= 1, "max_num_seqs", max_num_seqs, "an integer >= 1")
+        _check(
+            isinstance(max_num_seqs, int) and max_num_seqs >= 1,
+            "max_num_seqs",
+            max_num_seqs,
+            "an integer >= 1",
+        )
         _check(
             isinstance(max_num_batched_tokens, int) and max_num_batched_tokens >= 1,
             "max_num_batched_tokens",

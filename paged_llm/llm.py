@@ -14,9 +14,8 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from paged_llm.config import EngineConfig
 from paged_llm.engine.llm_engine import EngineMetrics, LLMEngine
-from paged_llm.engine.sequence import Sequence
 from paged_llm.model_files import resolve_model
-from paged_llm.outputs import CompletionOutput, RequestOutput
+from paged_llm.outputs import RequestOutput
 from paged_llm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -91,7 +90,7 @@ class LLM:
         self.generation_config = _read_generation_config(model_dir)
         self.eos_token_ids = _eos_token_ids(self.generation_config, self.tokenizer)
         self.vocab_size: int = hf_config.vocab_size
-        self.engine: LLMEngine | None = LLMEngine(self.config, self.eos_token_ids)
+        self.engine: LLMEngine | None = LLMEngine(self.config, self.tokenizer, self.eos_token_ids)
         self._request_counter = 0
 
     # ----- lifecycle --------------------------------------------------------------------
@@ -141,23 +140,21 @@ class LLM:
             self._validate_request(index, token_ids, params)
 
         order: dict[str, int] = {}
-        texts: dict[str, str | None] = {}
         for index, (text, token_ids, params) in enumerate(requests):
             request_id = str(self._request_counter)
             self._request_counter += 1
             order[request_id] = index
-            texts[request_id] = text
-            engine.add_request(request_id, token_ids, params)
+            engine.add_request(
+                request_id, text, token_ids, params, self._bad_words_token_ids(params)
+            )
 
         results: list[RequestOutput | None] = [None] * len(requests)
         with tqdm(
             total=len(requests), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
         ) as progress:
             while engine.has_unfinished():
-                for seq in engine.step():
-                    results[order[seq.request_id]] = self._request_output(
-                        seq, texts[seq.request_id]
-                    )
+                for output in engine.step():
+                    results[order[output.request_id]] = output
                     progress.update(1)
         assert all(result is not None for result in results)
         return results  # type: ignore[return-value]
@@ -187,9 +184,11 @@ class LLM:
 
     def _tokenize(self, prompts: list[Any]) -> list[tuple[str | None, list[int]]]:
         texts = {i: p for i, p in enumerate(prompts) if isinstance(p, str)}
-        encoded = dict(
-            zip(texts, self.tokenizer(list(texts.values()))["input_ids"], strict=True)
-        ) if texts else {}
+        encoded = (
+            dict(zip(texts, self.tokenizer(list(texts.values()))["input_ids"], strict=True))
+            if texts
+            else {}
+        )
         tokenized: list[tuple[str | None, list[int]]] = []
         for index, prompt in enumerate(prompts):
             if isinstance(prompt, str):
@@ -236,6 +235,11 @@ class LLM:
             params.verify()
         except ValueError as error:
             raise ValueError(f"Request {index}: {error}") from None
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"Request {index}: n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}; "
+                "the n sequences of a request run together. Lower n or raise max_num_seqs."
+            )
         bad = next((t for t in params.token_ids_in_use() if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(
@@ -243,36 +247,18 @@ class LLM:
                 f"[0, {self.vocab_size})."
             )
 
-    def _request_output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
-        params = seq.sampling_params
-        output_ids = seq.output_token_ids
-        text = (
-            self.tokenizer.decode(
-                output_ids,
-                skip_special_tokens=params.skip_special_tokens,
-                spaces_between_special_tokens=params.spaces_between_special_tokens,
-            )
-            if params.detokenize
-            else ""
-        )
-        completion = CompletionOutput(
-            index=seq.index,
-            text=text,
-            token_ids=output_ids,
-            cumulative_logprob=None,
-            logprobs=None,
-            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-            stop_reason=seq.stop_reason,
-        )
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            outputs=[completion],
-            finished=True,
-            num_cached_tokens=seq.num_cached_tokens,
-            metrics=seq.metrics,
-        )
+    def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Token sequences of each bad word, at the start of a text and after a space."""
+        sequences: list[list[int]] = []
+        for word in params.bad_words:
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            sequences.append(bare)
+            # The spaced form counts only when it is another word of the same length, as
+            # vLLM decides.
+            if spaced[0] != bare[0] and len(spaced) == len(bare):
+                sequences.append(spaced)
+        return sequences
 
     # ----- introspection ----------------------------------------------------------------
 

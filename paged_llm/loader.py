@@ -72,7 +72,9 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
             assert owner is not None
             owner.load_shard(param, tensor, shard)
         loaded.add((name, shard))
-    missing = sorted(f"{name}" + (f"[shard {s}]" if s is not None else "") for name, s in expected - loaded)
+    missing = sorted(
+        f"{name}" + (f"[shard {s}]" if s is not None else "") for name, s in expected - loaded
+    )
     if missing:
         raise ValueError(f"Checkpoint in {model_dir} lacks weights: {', '.join(missing[:10])}.")
 

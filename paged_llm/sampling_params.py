@@ -111,9 +111,7 @@ class SamplingParams:
             "an integer >= 1, or 0 / -1 to disable",
         )
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
-        _check(
-            self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an int or None"
-        )
+        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an int or None")
         _check(
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
             "max_tokens",
@@ -167,7 +165,9 @@ class SamplingParams:
         )
         if self.logit_bias is not None:
             _check(
-                all(isinstance(t, int) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()),
+                all(
+                    isinstance(t, int) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()
+                ),
                 "logit_bias",
                 self.logit_bias,
                 "token ids mapped to biases in [-100, 100]",

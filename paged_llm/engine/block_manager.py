@@ -196,6 +196,20 @@ class BlockManager:
                 self.cached_blocks[block_hash] = block
         self._num_registered_blocks[seq.seq_id] = num_full
 
+    def fork(self, parent: Sequence, child: Sequence) -> int:
+        """Share the parent's full prompt blocks with a sibling; return the tokens shared.
+
+        The parent's partially filled last prompt block is not shared: the child
+        recomputes those few tokens (and the last prompt token always, for its logits)
+        into a block of its own, so no block ever needs copying.
+        """
+        num_shared = min(len(parent.block_table), (child.num_tokens - 1) // self.block_size)
+        for block_id in parent.block_table[:num_shared]:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = parent.block_table[:num_shared]
+        self._num_registered_blocks[child.seq_id] = num_shared
+        return num_shared * self.block_size
+
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks; cached ones stay findable until reused."""
         # NOTE: tail blocks go into the free queue first so they are evicted first: a

@@ -7,11 +7,15 @@ import itertools
 import time
 from dataclasses import dataclass
 
+from transformers import PreTrainedTokenizerBase
+
 from paged_llm.config import EngineConfig
 from paged_llm.engine.block_manager import BlockManager
 from paged_llm.engine.model_runner import ModelRunner
+from paged_llm.engine.output_processor import OutputProcessor
 from paged_llm.engine.scheduler import Scheduler, SchedulerConfig
-from paged_llm.engine.sequence import Sequence
+from paged_llm.engine.sequence import FinishReason, Request, Sequence
+from paged_llm.outputs import RequestOutput
 from paged_llm.sampling_params import SamplingParams
 
 
@@ -41,9 +45,14 @@ class EngineMetrics:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        eos_token_ids: frozenset[int],
+    ) -> None:
         self.config = config
-        self.model_runner = ModelRunner(config)
+        self.model_runner = ModelRunner(config, eos_token_ids)
         self.block_manager = BlockManager(
             self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -56,45 +65,83 @@ class LLMEngine:
             ),
             self.block_manager,
         )
+        self.output_processor = OutputProcessor(tokenizer)
         self._seq_ids = itertools.count()
         self._num_requests = 0
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> Sequence:
-        """Queue a validated request. Without a seed of its own, its draws are seeded from
-        the engine seed and the request's arrival order, so a rerun reproduces them."""
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        bad_words_token_ids: list[list[int]] | None = None,
+    ) -> Request:
+        """Queue a validated request.
+
+        Sequence i of the request draws from seed (base, i), where base is the request's
+        own seed or else the engine seed with the request's arrival number, so that a
+        rerun of the same submission reproduces every draw.
+        """
         serial = self._num_requests
         self._num_requests += 1
         self._num_prompt_tokens += len(prompt_token_ids)
-        seed = params.seed if params.seed is not None else derive_seed(self.config.seed, serial)
-        seq = Sequence(
-            seq_id=next(self._seq_ids),
-            request_id=request_id,
-            prompt_token_ids=prompt_token_ids,
-            sampling_params=params,
-            seed=derive_seed(seed, 0),
-            arrival_time=time.time(),
+        base_seed = (
+            params.seed if params.seed is not None else derive_seed(self.config.seed, serial)
         )
-        self.scheduler.add(seq)
-        return seq
+        request = Request(
+            request_id, prompt, prompt_token_ids, params, time.time(), bad_words_token_ids
+        )
+        request.seqs = [
+            Sequence(next(self._seq_ids), request, derive_seed(base_seed, index), index)
+            for index in range(params.n)
+        ]
+        parent = request.seqs[0]
+        parent.pending_forks = request.seqs[1:]
+        self.scheduler.add(parent)
+        return request
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[Sequence]:
-        """Schedule, run and account one step; return the sequences it finished."""
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and account one step; return the requests it finished."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
             raise RuntimeError(
                 "The scheduler found nothing to run although requests are pending; "
                 "this is a bug in paged_llm."
             )
-        sampled = self.model_runner.execute(batch)
-        self._num_generated_tokens += len(sampled)
-        return self.scheduler.update(batch, sampled)
+        output = self.model_runner.execute(batch)
+        for seq in batch.seqs:
+            seq.request.prompt_logprobs.extend(output.prompt_logprobs.get(seq.seq_id, ()))
+        sampling_seqs = [
+            seq for seq, sample in zip(batch.seqs, batch.samples, strict=True) if sample
+        ]
+        finished = self.scheduler.update(batch, output.sampled_token_ids)
+        self._num_generated_tokens += len(sampling_seqs)
+        if output.logprobs is not None:
+            for seq, row in zip(sampling_seqs, output.logprobs, strict=True):
+                if row is not None:
+                    seq.logprobs.append(row)
+        for seq in sampling_seqs:
+            if not seq.sampling_params.stop or seq.finish_reason is FinishReason.STOP:
+                continue
+            stop_str = self.output_processor.find_stop_string(seq)
+            if stop_str is None:
+                continue
+            if seq.is_finished:
+                seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop_str
+            else:
+                self.scheduler.finish(seq, FinishReason.STOP, stop_str)
+                finished.append(seq)
+        return [
+            self.output_processor.make_output(request)
+            for request in _unique_requests(finished)
+            if request.is_finished
+        ]
 
     def get_metrics(self) -> EngineMetrics:
         return EngineMetrics(
@@ -108,3 +155,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.model_runner.shutdown()
+
+
+def _unique_requests(seqs: list[Sequence]) -> list[Request]:
+    return list({id(seq.request): seq.request for seq in seqs}.values())

@@ -15,9 +15,11 @@ import torch
 from torch import nn
 
 from paged_llm.config import EngineConfig
+from paged_llm.engine.sampling_metadata import build_sampling_metadata
 from paged_llm.engine.scheduler import ScheduledBatch
+from paged_llm.engine.sequence import RawLogprobs, Sequence
 from paged_llm.layers.attention import Attention, AttentionMetadata, get_attention_backend
-from paged_llm.layers.sampler import Sampler, SamplingMetadata
+from paged_llm.layers.sampler import LogprobsTensors, Sampler, compute_logprobs
 from paged_llm.loader import load_weights
 from paged_llm.models import get_model_class
 
@@ -50,6 +52,32 @@ def _available_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+_PROMPT_LOGPROBS_SLICE = 512
+
+
+@dataclass(slots=True)
+class StepOutput:
+    # One token per sampling sequence, in batch order.
+    sampled_token_ids: list[int]
+    # Per sampling sequence: its logprobs, or None where it asked for none.
+    logprobs: list[RawLogprobs | None] | None
+    # seq_id -> logprobs of the prompt positions scored this step, in order.
+    prompt_logprobs: dict[int, list[RawLogprobs]]
+
+
+def _logprob_rows(tensors: LogprobsTensors, seqs: list[Sequence], field: str) -> list[RawLogprobs]:
+    """Per row: the scored token plus as many top tokens as the row's sequence asked for."""
+    token_ids = tensors.token_ids.tolist()
+    logprobs = tensors.logprobs.tolist()
+    ranks = tensors.ranks.tolist()
+    rows = []
+    for seq, ids, lps, rank in zip(seqs, token_ids, logprobs, ranks, strict=True):
+        wanted = getattr(seq.sampling_params, field) or 0
+        width = len(ids) if wanted == -1 else 1 + wanted
+        rows.append((ids[:width], lps[:width], rank))
+    return rows
+
+
 @dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor
@@ -59,8 +87,9 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int]) -> None:
         self.config = config
+        self.eos_token_ids = eos_token_ids
         self.device = config.device
         self.block_size = config.block_size
         self.model = load_model(config)
@@ -233,39 +262,93 @@ class ModelRunner:
             logits_indices=torch.from_numpy(logits_indices).to(device),
         )
 
-    def _sampling_metadata(self, batch: ScheduledBatch, samples: list[bool]) -> SamplingMetadata:
-        seqs = [seq for seq, sample in zip(batch.seqs, samples, strict=True) if sample]
-        temperatures = [seq.sampling_params.temperature for seq in seqs]
-        device = self.device
-        return SamplingMetadata(
-            temperature=torch.tensor(temperatures, dtype=torch.float32, device=device),
-            seeds=torch.tensor([seq.seed for seq in seqs], dtype=torch.long, device=device),
-            counters=torch.tensor(
-                [seq.num_output_tokens for seq in seqs], dtype=torch.long, device=device
-            ),
-            all_greedy=all(seq.sampling_params.is_greedy for seq in seqs),
-        )
-
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[int]:
-        """Run the step; return one sampled token per sequence that completes its tokens."""
-        samples = [
-            seq.num_computed_tokens + count == seq.num_tokens
-            for seq, count in zip(batch.seqs, batch.num_scheduled_tokens, strict=True)
-        ]
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        """Run the step: one token (and its logprobs, if asked) per sampling sequence, and
+        the prompt logprobs the step's prompt chunks owe."""
         inputs = self._build_inputs(
             token_ids=[seq.token_ids for seq in batch.seqs],
             num_computed=[seq.num_computed_tokens for seq in batch.seqs],
             num_scheduled=batch.num_scheduled_tokens,
             block_tables=[seq.block_table for seq in batch.seqs],
-            samples=samples,
+            samples=batch.samples,
         )
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
-        if not any(samples):
-            return []
+        output = StepOutput(
+            sampled_token_ids=[],
+            logprobs=None,
+            prompt_logprobs=self._prompt_logprobs(
+                batch, inputs.attention.query_start_loc_cpu, hidden
+            ),
+        )
+        sampling_seqs = [
+            seq for seq, sample in zip(batch.seqs, batch.samples, strict=True) if sample
+        ]
+        if not sampling_seqs:
+            return output
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
-        tokens = self.sampler(logits, self._sampling_metadata(batch, samples))
-        return tokens.tolist()
+        metadata = build_sampling_metadata(
+            sampling_seqs, logits.shape[-1], self.eos_token_ids, self.device
+        )
+        sampled = self.sampler(logits, metadata)
+        output.sampled_token_ids = sampled.token_ids.tolist()
+        if sampled.logprobs is not None:
+            output.logprobs = [
+                None if seq.sampling_params.logprobs is None else row
+                for seq, row in zip(
+                    sampling_seqs,
+                    _logprob_rows(sampled.logprobs, sampling_seqs, "logprobs"),
+                    strict=True,
+                )
+            ]
+        return output
+
+    def _prompt_logprobs(
+        self, batch: ScheduledBatch, query_start_loc: list[int], hidden: torch.Tensor
+    ) -> dict[int, list[RawLogprobs]]:
+        """Score the prompt tokens that this step's chunks predict and that are not scored
+        yet: the hidden state at position p gives the logprob of prompt token p + 1."""
+        rows: list[int] = []
+        targets: list[int] = []
+        owners: list[tuple[Sequence, int]] = []  # (sequence, number of its rows)
+        for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_scheduled_tokens, strict=True)):
+            if seq.index != 0 or not seq.request.needs_prompt_logprobs:
+                continue
+            start = max(seq.num_computed_tokens, len(seq.request.prompt_logprobs))
+            end = min(seq.num_computed_tokens + count, seq.num_prompt_tokens - 1)
+            if start >= end:
+                continue
+            offset = query_start_loc[i] - seq.num_computed_tokens
+            rows.extend(range(offset + start, offset + end))
+            targets.extend(seq.token_ids[start + 1 : end + 1])
+            owners.append((seq, end - start))
+        if not rows:
+            return {}
+        wanted = [seq.sampling_params.prompt_logprobs for seq, _ in owners]
+        num_top = -1 if -1 in wanted else max(wanted)
+        row_index = torch.tensor(rows, device=self.device)
+        target_ids = torch.tensor(targets, device=self.device)
+        scored: list[LogprobsTensors] = []
+        # Slices bound the [rows, vocab] logits a long prompt would otherwise need at once.
+        for start in range(0, len(rows), _PROMPT_LOGPROBS_SLICE):
+            part = slice(start, start + _PROMPT_LOGPROBS_SLICE)
+            logits = self.model.compute_logits(hidden[row_index[part]]).float()
+            logprobs = torch.log_softmax(logits, dim=-1)
+            k = logprobs.shape[-1] if num_top == -1 else num_top
+            scored.append(compute_logprobs(logprobs, target_ids[part], k))
+        merged = LogprobsTensors(
+            token_ids=torch.cat([s.token_ids for s in scored]),
+            logprobs=torch.cat([s.logprobs for s in scored]),
+            ranks=torch.cat([s.ranks for s in scored]),
+        )
+        row_seqs = [seq for seq, count in owners for _ in range(count)]
+        all_rows = _logprob_rows(merged, row_seqs, "prompt_logprobs")
+        result: dict[int, list[RawLogprobs]] = {}
+        position = 0
+        for seq, count in owners:
+            result[seq.seq_id] = all_rows[position : position + count]
+            position += count
+        return result
 
     def shutdown(self) -> None:
         """Drop the KV cache and the weights so their memory can be reclaimed."""

@@ -25,10 +25,17 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class ScheduledBatch:
     """One step's work: ``num_scheduled_tokens[i]`` tokens of ``seqs[i]``, starting at its
-    ``num_computed_tokens``. Sequences whose last token is among them sample a token."""
+    ``num_computed_tokens``. ``samples[i]``: the step reaches the sequence's last token,
+    so a new token is drawn for it."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_scheduled_tokens.append(num_tokens)
+        self.samples.append(seq.num_computed_tokens + num_tokens == seq.num_tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -77,21 +84,23 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                batch.seqs.append(seq)
-                batch.num_scheduled_tokens.append(num_new)
+                batch.add(seq, num_new)
                 budget -= num_new
                 i += 1
 
+        # A sequence with siblings to fork holds their places in max_num_seqs too.
+        num_slots_taken = len(self.running) + sum(len(s.pending_forks) for s in self.running)
         # NOTE: no admissions in a step that preempted: blocks are short, and a newcomer
         # would only be preempted in turn.
-        while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
+        while not preempted and self.waiting and budget > 0:
             seq = self.waiting[0]
-            cached_prefix = self.block_manager.find_cached_prefix(seq)
+            num_slots = 1 + len(seq.pending_forks)
+            if num_slots_taken + num_slots > self.config.max_num_seqs:
+                break
+            # NOTE: cached blocks have no logits, so a prompt still owing prompt logprobs
+            # is computed in full.
+            needs_logits = seq.index == 0 and seq.request.needs_prompt_logprobs
+            cached_prefix = [] if needs_logits else self.block_manager.find_cached_prefix(seq)
             num_cached = len(cached_prefix) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
             if not self.block_manager.allocate_slots(seq, num_new, cached_prefix):
@@ -103,8 +112,8 @@ class Scheduler:
                 seq.num_cached_tokens = num_cached
                 seq.metrics.first_scheduled_time = time.time()
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_scheduled_tokens.append(num_new)
+            num_slots_taken += num_slots
+            batch.add(seq, num_new)
             budget -= num_new
         return batch
 
@@ -127,17 +136,20 @@ class Scheduler:
     def update(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Sequence]:
         """Advance the batch by the step that just ran; return the sequences it finished.
 
-        ``sampled_token_ids`` holds one token per sequence that reached its last token,
-        in batch order.
+        ``sampled_token_ids`` holds one token per sampling sequence, in batch order.
         """
         finished: list[Sequence] = []
         now = time.time()
         tokens = iter(sampled_token_ids)
-        for seq, num_new in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
+        for seq, num_new, sample in zip(
+            batch.seqs, batch.num_scheduled_tokens, batch.samples, strict=True
+        ):
             seq.num_computed_tokens += num_new
             self.block_manager.cache_full_blocks(seq)
-            if seq.num_computed_tokens < seq.num_tokens:
+            if not sample:
                 continue
+            if seq.pending_forks:
+                self._fork(seq)
             seq.token_ids.append(next(tokens))
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
@@ -147,6 +159,15 @@ class Scheduler:
         for seq in finished:
             self.finish(seq, seq.finish_reason, seq.stop_reason)
         return finished
+
+    def _fork(self, parent: Sequence) -> None:
+        """Start the parent's siblings on its computed prompt blocks."""
+        for child in parent.pending_forks:
+            child.num_computed_tokens = self.block_manager.fork(parent, child)
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        parent.pending_forks = []
 
     def _check_stop(self, seq: Sequence) -> bool:
         params = seq.sampling_params

@@ -1,4 +1,4 @@
-"""The state of one sequence as it moves through the engine."""
+"""The state of one request and of each of its sequences as they move through the engine."""
 
 from __future__ import annotations
 
@@ -19,6 +19,58 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
 
 
+# Per scored position: (token ids, logprobs, rank of the first id); the first id is the
+# sampled (or prompt) token, the rest are the most likely tokens in order.
+RawLogprobs = tuple[list[int], list[float], int]
+
+
+class Request:
+    """One prompt and its ``n`` sequences, which share the prompt's KV blocks."""
+
+    __slots__ = (
+        "bad_words_token_ids",
+        "metrics",
+        "prompt",
+        "prompt_logprobs",
+        "prompt_token_ids",
+        "request_id",
+        "sampling_params",
+        "seqs",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float,
+        bad_words_token_ids: list[list[int]] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.bad_words_token_ids = bad_words_token_ids or []
+        # Shared by the request's sequences: the first token of any of them is the
+        # request's first token, the last one to finish finishes the request.
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.prompt_logprobs: list[RawLogprobs] = []
+        self.seqs: list[Sequence] = []
+
+    @property
+    def is_finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and not all positions are scored yet."""
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
+        )
+
+
 class Sequence:
     """Prompt and generated tokens of one completion, and where its KV cache lives.
 
@@ -31,11 +83,12 @@ class Sequence:
         "block_table",
         "finish_reason",
         "index",
-        "metrics",
+        "logprobs",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_prompt_tokens",
-        "request_id",
+        "pending_forks",
+        "request",
         "sampling_params",
         "seed",
         "seq_id",
@@ -44,22 +97,13 @@ class Sequence:
         "token_ids",
     )
 
-    def __init__(
-        self,
-        seq_id: int,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        seed: int,
-        arrival_time: float,
-        index: int = 0,
-    ) -> None:
+    def __init__(self, seq_id: int, request: Request, seed: int, index: int = 0) -> None:
         self.seq_id = seq_id
-        self.request_id = request_id
+        self.request = request
         self.index = index
-        self.token_ids: list[int] = list(prompt_token_ids)
-        self.num_prompt_tokens = len(prompt_token_ids)
-        self.sampling_params = sampling_params
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.sampling_params = request.sampling_params
         self.seed = seed
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
@@ -68,9 +112,19 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
+        # Sibling sequences (n > 1) that start once this one has computed the prompt.
+        self.pending_forks: list[Sequence] = []
+        self.logprobs: list[RawLogprobs] = []
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
-        self.metrics = RequestMetrics(arrival_time=arrival_time)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def metrics(self) -> RequestMetrics:
+        return self.request.metrics
 
     @property
     def num_tokens(self) -> int:
@@ -82,7 +136,7 @@ class Sequence:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
+        return self.request.prompt_token_ids
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -94,6 +148,7 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (
-            f"Sequence(id={self.seq_id}, request={self.request_id!r}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens}, status={self.status.name})"
+            f"Sequence(id={self.seq_id}, request={self.request_id!r}, index={self.index}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"status={self.status.name})"
         )

@@ -1,9 +1,14 @@
-"""Turns the logits of a batch into tokens, all rows at once.
+"""Turns the logits of a batch into tokens (and logprobs), all rows at once.
 
-Random draws come from a counter-based generator: the uniform number behind a request's
-k-th token is a hash of (request seed, k). It does not depend on which other requests
-share the batch, where the request sits in it, or whether it was preempted and
-recomputed, so seeded requests are reproducible under any batching.
+The order follows vLLM: logprobs of the raw distribution; then allowed / banned tokens and
+logit bias; then repetition, frequency and presence penalties; then either argmax
+(greedy rows) or temperature, min-p, top-k and top-p, and a draw.
+
+Random draws come from a counter-based generator: the uniform number behind a row's k-th
+token is a hash of (seed, k). It does not depend on which other requests share the batch,
+where the request sits in it, or whether it was preempted and recomputed, so seeded
+requests are reproducible under any batching. The draw itself is an inverse-CDF lookup,
+which needs one uniform per row instead of one per vocabulary entry.
 """
 
 from __future__ import annotations
@@ -35,26 +40,139 @@ def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor
 
 @dataclass(slots=True)
 class SamplingMetadata:
-    """Per-row sampling parameters of one step, as tensors on the logits' device."""
+    """Per-row sampling parameters of one step, as tensors on the logits' device.
+
+    Optional tensors are None when no row of the step uses the feature, so the common
+    case pays nothing for it.
+    """
 
     temperature: torch.Tensor  # [B] float32; 0 marks a greedy row
     seeds: torch.Tensor  # [B] int64
     # [B] int64: index of the token being drawn among the row's generated tokens.
     counters: torch.Tensor
     all_greedy: bool
+    top_k: torch.Tensor | None = None  # [B] int64; 0 disables
+    top_p: torch.Tensor | None = None  # [B] float32; 1 disables
+    min_p: torch.Tensor | None = None  # [B] float32; 0 disables
+    presence_penalty: torch.Tensor | None = None  # [B] float32
+    frequency_penalty: torch.Tensor | None = None  # [B] float32
+    repetition_penalty: torch.Tensor | None = None  # [B] float32
+    # [B, V] int: occurrences of each token among the row's generated tokens.
+    output_token_counts: torch.Tensor | None = None
+    # [B, V] bool: tokens in the row's prompt.
+    prompt_token_mask: torch.Tensor | None = None
+    # [B, V] bool: tokens the row may not produce this step (not allowed, bad words,
+    # EOS and stop tokens before min_tokens).
+    banned_tokens: torch.Tensor | None = None
+    logit_bias: torch.Tensor | None = None  # [B, V] float32, added to the logits
+    # Most logprobs any row asked for (0: the sampled token only); None: no row asked.
+    max_num_logprobs: int | None = None
+
+
+@dataclass(slots=True)
+class LogprobsTensors:
+    """Per row: the scored token first, then the top ``k`` tokens, with logprobs and the
+    scored token's rank (1 = most likely) in the raw distribution."""
+
+    token_ids: torch.Tensor  # [B, 1 + k] int64
+    logprobs: torch.Tensor  # [B, 1 + k] float32
+    ranks: torch.Tensor  # [B] int64
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: LogprobsTensors | None
+
+
+def compute_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> LogprobsTensors:
+    """Gather the logprob and rank of ``token_ids`` and the ``num_top`` best per row."""
+    token_logprobs = logprobs.gather(1, token_ids[:, None])
+    ranks = (logprobs > token_logprobs).sum(dim=-1) + 1
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
+    return LogprobsTensors(
+        token_ids=torch.cat((token_ids[:, None], top_ids), dim=1),
+        logprobs=torch.cat((token_logprobs, top_logprobs), dim=1),
+        ranks=ranks,
+    )
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """``logits`` ``[B, V]`` float32; returns ``[B]`` int64 token ids."""
-        greedy_tokens = logits.argmax(dim=-1)
-        if metadata.all_greedy:
-            return greedy_tokens
-        temperature = metadata.temperature
-        safe_temperature = torch.where(temperature > 0, temperature, 1.0)
-        probs = torch.softmax(logits / safe_temperature[:, None], dim=-1)
-        sampled = _inverse_cdf_sample(probs, counter_uniform(metadata.seeds, metadata.counters))
-        return torch.where(temperature > 0, sampled, greedy_tokens)
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """``logits`` ``[B, V]`` float32 (modified in place)."""
+        raw_logprobs = (
+            torch.log_softmax(logits, dim=-1) if metadata.max_num_logprobs is not None else None
+        )
+        logits = self._apply_constraints(logits, metadata)
+        logits = _apply_penalties(logits, metadata)
+        token_ids = logits.argmax(dim=-1)
+        if not metadata.all_greedy:
+            temperature = metadata.temperature
+            is_random = temperature > 0
+            logits = logits / torch.where(is_random, temperature, 1.0)[:, None]
+            logits = _apply_filters(logits, metadata)
+            probs = torch.softmax(logits, dim=-1)
+            uniforms = counter_uniform(metadata.seeds, metadata.counters)
+            token_ids = torch.where(is_random, _inverse_cdf_sample(probs, uniforms), token_ids)
+        logprobs = None
+        if raw_logprobs is not None:
+            num_top = metadata.max_num_logprobs
+            if num_top == -1:
+                num_top = raw_logprobs.shape[-1]
+            logprobs = compute_logprobs(raw_logprobs, token_ids, num_top)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    @staticmethod
+    def _apply_constraints(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        if metadata.logit_bias is not None:
+            logits = logits + metadata.logit_bias
+        if metadata.banned_tokens is not None:
+            logits = logits.masked_fill(metadata.banned_tokens, float("-inf"))
+        return logits
+
+
+def _apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """vLLM's penalties: repetition over prompt and output tokens (divide positive logits,
+    multiply negative ones), frequency per output occurrence, presence once per token."""
+    counts = metadata.output_token_counts
+    if metadata.repetition_penalty is not None:
+        assert counts is not None and metadata.prompt_token_mask is not None
+        seen = metadata.prompt_token_mask | (counts > 0)
+        penalty = torch.where(seen, metadata.repetition_penalty[:, None], 1.0)
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    if metadata.frequency_penalty is not None:
+        assert counts is not None
+        logits = logits - metadata.frequency_penalty[:, None] * counts
+    if metadata.presence_penalty is not None:
+        assert counts is not None
+        logits = logits - metadata.presence_penalty[:, None] * (counts > 0)
+    return logits
+
+
+def _apply_filters(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """min-p, then top-k, then top-p (over what top-k kept), on temperature-scaled logits."""
+    if metadata.min_p is not None:
+        probs = torch.softmax(logits, dim=-1)
+        threshold = metadata.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if metadata.top_k is None and metadata.top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1)  # ascending
+    vocab_size = logits.shape[-1]
+    if metadata.top_k is not None:
+        k = torch.where(metadata.top_k > 0, metadata.top_k, vocab_size).clamp_max(vocab_size)
+        kth_largest = sorted_logits.gather(1, (vocab_size - k)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_largest, float("-inf"))
+    if metadata.top_p is not None:
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        # Drop the low tail whose mass stays within 1 - p; the token that crosses into
+        # the top-p mass is kept, and so is the most likely token, always.
+        drop = cumulative <= 1 - metadata.top_p[:, None]
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
 def _inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,118 @@
+"""From finished sequences to `RequestOutput`s: text, stop strings, logprob dicts."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from paged_llm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from paged_llm.engine.sequence import FinishReason, RawLogprobs, Request, Sequence
+from paged_llm.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self._detokenizers: dict[int, IncrementalDetokenizer] = {}
+        # seq_id -> text cut at a stop string.
+        self._stopped_texts: dict[int, str] = {}
+        self._token_texts: dict[int, str] = {}
+
+    def find_stop_string(self, seq: Sequence) -> str | None:
+        """Detokenize the sequence's newest token; return a stop string it completes.
+
+        Only sequences with stop strings are detokenized as they grow; the others are
+        decoded once, when they finish.
+        """
+        params = seq.sampling_params
+        detokenizer = self._detokenizers.get(seq.seq_id)
+        if detokenizer is None:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                seq.prompt_token_ids,
+                params.skip_special_tokens,
+                params.spaces_between_special_tokens,
+            )
+            self._detokenizers[seq.seq_id] = detokenizer
+        delta = detokenizer.update(seq.token_ids[-1])
+        found = find_stop_string(
+            detokenizer.text, len(delta), params.stop, params.include_stop_str_in_output
+        )
+        if found is None:
+            return None
+        stop_str, end = found
+        self._stopped_texts[seq.seq_id] = detokenizer.text[:end]
+        return stop_str
+
+    def _text(self, seq: Sequence) -> str:
+        params = seq.sampling_params
+        self._detokenizers.pop(seq.seq_id, None)
+        stopped = self._stopped_texts.pop(seq.seq_id, None)
+        if stopped is not None:
+            return stopped
+        if not params.detokenize:
+            return ""
+        token_ids = seq.output_token_ids
+        # EOS and stop tokens end the sequence without being part of its text, as in vLLM.
+        stopped_by_token = seq.finish_reason is FinishReason.STOP and not isinstance(
+            seq.stop_reason, str
+        )
+        if stopped_by_token and not params.include_stop_str_in_output:
+            token_ids = token_ids[:-1]
+        return self.tokenizer.decode(
+            token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+        )
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _logprob_dict(self, raw: RawLogprobs) -> dict[int, Logprob]:
+        token_ids, logprobs, rank = raw
+        scored = Logprob(logprobs[0], rank, self._token_text(token_ids[0]))
+        entries = {
+            token_id: Logprob(logprob, top_rank, self._token_text(token_id))
+            for top_rank, (token_id, logprob) in enumerate(
+                zip(token_ids[1:], logprobs[1:], strict=True), start=1
+            )
+        }
+        entries[token_ids[0]] = scored
+        return entries
+
+    def make_output(self, request: Request) -> RequestOutput:
+        """The output of a request whose sequences have all finished."""
+        params = request.sampling_params
+        completions = []
+        for seq in request.seqs:
+            logprobs = None
+            cumulative = None
+            if params.logprobs is not None:
+                logprobs = [self._logprob_dict(raw) for raw in seq.logprobs]
+                cumulative = sum(raw[1][0] for raw in seq.logprobs)
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=self._text(seq),
+                    token_ids=seq.output_token_ids,
+                    cumulative_logprob=cumulative,
+                    logprobs=logprobs,
+                    finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None:
+            prompt_logprobs = [None] + [self._logprob_dict(raw) for raw in request.prompt_logprobs]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            finished=True,
+            num_cached_tokens=request.seqs[0].num_cached_tokens,
+            metrics=request.metrics,
+            prompt_logprobs=prompt_logprobs,
+        )

@@ -1,0 +1,120 @@
+"""Per-step sampling tensors, built from the sequences that draw a token this step.
+
+Common parameters become one tensor per field. Rare features (allowed tokens, bad words,
+logit bias, min_tokens) are applied by looping over only the rows that use them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from paged_llm.engine.sequence import Sequence
+from paged_llm.layers.sampler import SamplingMetadata
+
+
+def _padded(rows: list[list[int]], fill: int) -> torch.Tensor:
+    width = max((len(row) for row in rows), default=0)
+    array = np.full((len(rows), max(width, 1)), fill, dtype=np.int64)
+    for i, row in enumerate(rows):
+        array[i, : len(row)] = row
+    return torch.from_numpy(array)
+
+
+def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """``[len(rows), vocab_size]`` occurrences of each token in each row."""
+    ids = _padded(rows, fill=vocab_size).to(device)
+    counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def _banned_next_tokens(seq: Sequence) -> list[int]:
+    """Last tokens of bad words whose other tokens the sequence has just generated."""
+    output = seq.output_token_ids
+    banned = []
+    for word in seq.request.bad_words_token_ids:
+        prefix = word[:-1]
+        if not prefix or (len(output) >= len(prefix) and output[-len(prefix) :] == prefix):
+            banned.append(word[-1])
+    return banned
+
+
+def build_sampling_metadata(
+    seqs: list[Sequence], vocab_size: int, eos_token_ids: frozenset[int], device: torch.device
+) -> SamplingMetadata:
+    params = [seq.sampling_params for seq in seqs]
+    num_rows = len(seqs)
+
+    def row_tensor(values: list[float], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    metadata = SamplingMetadata(
+        temperature=row_tensor(
+            [0.0 if p.is_greedy else p.temperature for p in params], torch.float32
+        ),
+        seeds=row_tensor([seq.seed for seq in seqs], torch.int64),
+        counters=row_tensor([seq.num_output_tokens for seq in seqs], torch.int64),
+        all_greedy=all(p.is_greedy for p in params),
+    )
+    if any(p.top_k > 0 for p in params):
+        metadata.top_k = row_tensor([p.top_k for p in params], torch.int64)
+    if any(p.top_p < 1.0 for p in params):
+        metadata.top_p = row_tensor([p.top_p for p in params], torch.float32)
+    if any(p.min_p > 0.0 for p in params):
+        metadata.min_p = row_tensor([p.min_p for p in params], torch.float32)
+
+    use_repetition = any(p.repetition_penalty != 1.0 for p in params)
+    use_frequency = any(p.frequency_penalty != 0.0 for p in params)
+    use_presence = any(p.presence_penalty != 0.0 for p in params)
+    if use_repetition or use_frequency or use_presence:
+        metadata.output_token_counts = _token_counts(
+            [seq.output_token_ids for seq in seqs], vocab_size, device
+        )
+    if use_repetition:
+        metadata.repetition_penalty = row_tensor(
+            [p.repetition_penalty for p in params], torch.float32
+        )
+        metadata.prompt_token_mask = (
+            _token_counts([seq.prompt_token_ids for seq in seqs], vocab_size, device) > 0
+        )
+    if use_frequency:
+        metadata.frequency_penalty = row_tensor(
+            [p.frequency_penalty for p in params], torch.float32
+        )
+    if use_presence:
+        metadata.presence_penalty = row_tensor([p.presence_penalty for p in params], torch.float32)
+
+    banned: torch.Tensor | None = None
+    for row, (seq, p) in enumerate(zip(seqs, params, strict=True)):
+        ban: list[int] = []
+        if seq.num_output_tokens < p.min_tokens:
+            ban.extend(p.stop_token_ids)
+            if not p.ignore_eos:
+                ban.extend(eos_token_ids)
+        if seq.request.bad_words_token_ids:
+            ban.extend(_banned_next_tokens(seq))
+        if not ban and p.allowed_token_ids is None:
+            continue
+        if banned is None:
+            banned = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)
+        if p.allowed_token_ids is not None:
+            banned[row] = True
+            banned[row, p.allowed_token_ids] = False
+        if ban:
+            banned[row, ban] = True
+    metadata.banned_tokens = banned
+
+    if any(p.logit_bias for p in params):
+        bias = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=device)
+        for row, p in enumerate(params):
+            if p.logit_bias:
+                bias[row, list(p.logit_bias)] = row_tensor(
+                    list(p.logit_bias.values()), torch.float32
+                )
+        metadata.logit_bias = bias
+
+    requested = [p.logprobs for p in params if p.logprobs is not None]
+    if requested:
+        metadata.max_num_logprobs = -1 if -1 in requested else max(requested)
+    return metadata
