@@ -159,13 +159,81 @@ class LLM:
         assert all(result is not None for result in results)
         return results  # type: ignore[return-value]
 
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them.
+
+        Each conversation (a list of ``{"role": ..., "content": ...}`` messages) is
+        rendered with the tokenizer's chat template (or ``chat_template``), then generated
+        like a prompt. ``continue_final_message`` continues the last (assistant) message
+        instead of starting a new one.
+        """
+        if add_generation_prompt and continue_final_message:
+            raise ValueError(
+                "add_generation_prompt and continue_final_message cannot both be True: a "
+                "reply either starts a new message or continues the last one."
+            )
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of messages or of conversations.")
+        conversations = messages if isinstance(messages[0], list) else [messages]
+        prompts = [
+            self.render_chat(
+                conversation, chat_template, add_generation_prompt, continue_final_message
+            )
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def render_chat(
+        self,
+        conversation: list[dict[str, Any]],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> dict[str, Any]:
+        """One conversation as a prompt dict: the rendered text and its token ids.
+
+        The template writes the special tokens itself, so the text is tokenized without
+        adding any.
+        """
+        text = self.tokenizer.apply_chat_template(
+            conversation,
+            chat_template=chat_template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+        token_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return {"prompt": text, "prompt_token_ids": token_ids}
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's recommended values from generation_config.json
+        (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), as vLLM
+        does; used when `generate` gets no sampling_params."""
+        generation = self.generation_config
+        fields = {
+            name: generation[name]
+            for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+            if generation.get(name) is not None
+        }
+        if generation.get("max_new_tokens") is not None:
+            fields["max_tokens"] = generation["max_new_tokens"]
+        return SamplingParams(**fields)
+
     def _params_per_prompt(
         self,
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None,
         num_prompts: int,
     ) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * num_prompts
+            return [self.get_default_sampling_params()] * num_prompts
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num_prompts
         params = list(sampling_params)

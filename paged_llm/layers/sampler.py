@@ -106,13 +106,13 @@ class Sampler:
             torch.log_softmax(logits, dim=-1) if metadata.max_num_logprobs is not None else None
         )
         logits = self._apply_constraints(logits, metadata)
-        logits = _apply_penalties(logits, metadata)
+        logits = apply_penalties(logits, metadata)
         token_ids = logits.argmax(dim=-1)
         if not metadata.all_greedy:
             temperature = metadata.temperature
             is_random = temperature > 0
             logits = logits / torch.where(is_random, temperature, 1.0)[:, None]
-            logits = _apply_filters(logits, metadata)
+            logits = apply_filters(logits, metadata)
             probs = torch.softmax(logits, dim=-1)
             uniforms = counter_uniform(metadata.seeds, metadata.counters)
             token_ids = torch.where(is_random, _inverse_cdf_sample(probs, uniforms), token_ids)
@@ -133,7 +133,7 @@ class Sampler:
         return logits
 
 
-def _apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """vLLM's penalties: repetition over prompt and output tokens (divide positive logits,
     multiply negative ones), frequency per output occurrence, presence once per token."""
     counts = metadata.output_token_counts
@@ -151,7 +151,7 @@ def _apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.
     return logits
 
 
-def _apply_filters(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+def apply_filters(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """min-p, then top-k, then top-p (over what top-k kept), on temperature-scaled logits."""
     if metadata.min_p is not None:
         probs = torch.softmax(logits, dim=-1)
