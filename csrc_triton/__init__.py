@@ -1,0 +1,21 @@
+"""Triton kernels for paged_llm: plain functions over tensors, with torch references.
+
+This is the bottom layer; it must never import ``paged_llm``.
+"""
+
+from csrc_triton import reference
+from csrc_triton.activation import silu_and_mul
+from csrc_triton.kv_store import store_kv
+from csrc_triton.paged_attention import paged_attention
+from csrc_triton.rms_norm import fused_add_rms_norm, rms_norm
+from csrc_triton.rotary import apply_rotary
+
+__all__ = [
+    "apply_rotary",
+    "fused_add_rms_norm",
+    "paged_attention",
+    "reference",
+    "rms_norm",
+    "silu_and_mul",
+    "store_kv",
+]

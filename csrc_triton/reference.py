@@ -1,0 +1,91 @@
+"""Plain torch versions of the kernels: slow, obviously correct, used as test oracles."""
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Reference for :func:`csrc_triton.store_kv`."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    key_cache.flatten(0, 1)[slots] = key[keep].to(key_cache.dtype)
+    value_cache.flatten(0, 1)[slots] = value[keep].to(value_cache.dtype)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference for :func:`csrc_triton.paged_attention`: one dense masked softmax per sequence."""
+    block_size = key_cache.shape[1]
+    num_queries_per_kv = query.shape[1] // key_cache.shape[2]
+    if out is None:
+        out = torch.empty_like(query)
+    for seq in range(block_tables.shape[0]):
+        q_start, q_end = int(query_start_loc[seq]), int(query_start_loc[seq + 1])
+        seq_len = int(seq_lens[seq])
+        k_pos = torch.arange(seq_len, device=query.device)
+        blocks = block_tables[seq, k_pos // block_size].long()
+        key = key_cache[blocks, k_pos % block_size].float()
+        value = value_cache[blocks, k_pos % block_size].float()
+        key = key.repeat_interleave(num_queries_per_kv, dim=1)
+        value = value.repeat_interleave(num_queries_per_kv, dim=1)
+
+        q_pos = torch.arange(seq_len - (q_end - q_start), seq_len, device=query.device)
+        visible = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            visible &= q_pos[:, None] - k_pos[None, :] < sliding_window
+        scores = torch.einsum("qhd,khd->hqk", query[q_start:q_end].float(), key) * scale
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, value).to(out.dtype)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Reference for :func:`csrc_triton.rms_norm`: HF LlamaRMSNorm.forward."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for :func:`csrc_triton.fused_add_rms_norm` (returns a new residual)."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def apply_rotary(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    """Reference for :func:`csrc_triton.apply_rotary`: HF rotate_half in fp32, in place."""
+    cos, sin = cos_sin_cache[positions].float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    for x in (query, key):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Reference for :func:`csrc_triton.silu_and_mul`."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

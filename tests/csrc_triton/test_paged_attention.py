@@ -1,0 +1,204 @@
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from csrc_triton import paged_attention, reference
+
+# One batch mixing every kind of step: decode at a mid-block context, decode across several
+# key tiles, a prefill spanning two query tiles, a chunked prefill after cached context, and a
+# prefix-cache hit whose cached context ends exactly on a block boundary.
+MIXED_QUERY_LENS = (1, 1, 70, 9, 3)
+MIXED_CONTEXT_LENS = (37, 80, 0, 50, 16)
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def make_batch(
+    query_lens: tuple[int, ...],
+    context_lens: tuple[int, ...],
+    num_kv_heads: int,
+    num_queries_per_kv: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str,
+    num_padding_tokens: int = 0,
+) -> dict:
+    """Random ``paged_attention`` arguments over a cache whose unused slots all hold NaN.
+
+    Sequences get blocks 1.. in a random order; block 0 (where a masked block-table load
+    lands) is never allocated, and block-table entries past a sequence's last block are -1.
+    So a key or value read outside a sequence's context turns the output into NaN.
+    """
+    seq_lens = [q + c for q, c in zip(query_lens, context_lens, strict=True)]
+    blocks_per_seq = [-(-seq_len // block_size) for seq_len in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 1
+    block_ids = (torch.randperm(num_blocks - 1) + 1).tolist()
+    block_tables = torch.full((len(seq_lens), max(blocks_per_seq) + 2), -1)
+    for seq, num_seq_blocks in enumerate(blocks_per_seq):
+        block_tables[seq, :num_seq_blocks] = torch.tensor(block_ids[:num_seq_blocks])
+        del block_ids[:num_seq_blocks]
+
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
+    value_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
+    for seq, seq_len in enumerate(seq_lens):
+        positions = torch.arange(seq_len)
+        blocks = block_tables[seq, positions // block_size]
+        offsets = positions % block_size
+        key_cache[blocks, offsets] = torch.randn(seq_len, num_kv_heads, head_dim, dtype=dtype)
+        value_cache[blocks, offsets] = torch.randn(seq_len, num_kv_heads, head_dim, dtype=dtype)
+
+    num_heads = num_kv_heads * num_queries_per_kv
+    num_tokens = sum(query_lens) + num_padding_tokens
+    # A strided view, as the attention layer gets it from a fused qkv projection.
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype)
+    query_start_loc = torch.tensor([0, *query_lens]).cumsum(0)
+    return {
+        "query": qkv[:, :num_heads].to(device),
+        "key_cache": key_cache.to(device),
+        "value_cache": value_cache.to(device),
+        "block_tables": block_tables.to(device, torch.int32),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        "query_start_loc": query_start_loc.to(device, torch.int32),
+        "max_query_len": max(query_lens),
+        "max_seq_len": max(seq_lens),
+        "scale": head_dim**-0.5,
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_queries_per_kv", [1, 2, 4])
+def test_mixed_batch_matches_reference(
+    num_queries_per_kv: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str,
+    assert_close: Callable,
+) -> None:
+    torch.manual_seed(0)
+    batch = make_batch(
+        MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, 2, num_queries_per_kv, head_dim, 16, dtype, device
+    )
+    assert_close(paged_attention(**batch), reference.paged_attention(**batch))
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 32])
+def test_block_sizes(block_size: int, device: str, assert_close: Callable) -> None:
+    torch.manual_seed(1)
+    batch = make_batch(
+        MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, 2, 2, 64, block_size, torch.float32, device
+    )
+    assert_close(paged_attention(**batch), reference.paged_attention(**batch))
+
+
+@pytest.mark.parametrize("num_queries_per_kv", [1, 4])
+@pytest.mark.parametrize("sliding_window", [1, 5, 64])
+def test_sliding_window(
+    sliding_window: int, num_queries_per_kv: int, device: str, assert_close: Callable
+) -> None:
+    torch.manual_seed(2)
+    batch = make_batch(
+        MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, 2, num_queries_per_kv, 64, 16, torch.float32, device
+    )
+    assert_close(
+        paged_attention(**batch, sliding_window=sliding_window),
+        reference.paged_attention(**batch, sliding_window=sliding_window),
+    )
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens"),
+    [((1, 1, 1), (37, 200, 5)), (MIXED_QUERY_LENS, MIXED_CONTEXT_LENS)],
+    ids=["decode", "mixed"],
+)
+@pytest.mark.parametrize("sliding_window", [None, 20])
+@pytest.mark.parametrize("num_splits", [2, 3, 16])
+def test_split_kv(
+    num_splits: int,
+    sliding_window: int | None,
+    query_lens: tuple[int, ...],
+    context_lens: tuple[int, ...],
+    device: str,
+    assert_close: Callable,
+) -> None:
+    torch.manual_seed(3)
+    batch = make_batch(query_lens, context_lens, 2, 4, 64, 16, torch.float32, device)
+    assert_close(
+        paged_attention(**batch, sliding_window=sliding_window, num_splits=num_splits),
+        reference.paged_attention(**batch, sliding_window=sliding_window),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 80, 96])
+def test_other_head_dims(
+    head_dim: int, dtype: torch.dtype, device: str, assert_close: Callable
+) -> None:
+    torch.manual_seed(4)
+    batch = make_batch(MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, 2, 2, head_dim, 16, dtype, device)
+    assert_close(paged_attention(**batch), reference.paged_attention(**batch))
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_writes_into_out_and_skips_padding(
+    num_splits: int, device: str, assert_close: Callable
+) -> None:
+    """CUDA-graph style padding: an empty sequence, and token rows past the last sequence."""
+    torch.manual_seed(5)
+    num_padding_tokens = 3
+    batch = make_batch(
+        (1, 0, 4), (10, 0, 3), 2, 2, 64, 16, torch.float32, device, num_padding_tokens
+    )
+    out = torch.full_like(batch["query"], 7.0)
+    result = paged_attention(**batch, out=out, num_splits=num_splits)
+    assert result is out
+    num_real_tokens = out.shape[0] - num_padding_tokens
+    expected = reference.paged_attention(**batch)
+    assert_close(out[:num_real_tokens], expected[:num_real_tokens])
+    assert torch.all(out[num_real_tokens:] == 7.0)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"head_dim": 512}, "head_dim"),
+        ({"num_queries_per_kv": 1, "query_heads": 3}, "multiple"),
+        ({"sliding_window": 0}, "sliding_window"),
+    ],
+    ids=["head_dim", "gqa_ratio", "sliding_window"],
+)
+def test_rejects_invalid_arguments(change: dict, message: str, device: str) -> None:
+    batch = make_batch((2,), (3,), 2, 2, change.get("head_dim", 64), 16, torch.float32, device)
+    if "query_heads" in change:
+        batch["query"] = batch["query"][:, : change["query_heads"]]
+    with pytest.raises(ValueError, match=message):
+        paged_attention(**batch, sliding_window=change.get("sliding_window"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sliding_window", [None, 512])
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens"),
+    [
+        ((1,) * 24 + (512, 300, 1000, 7), (*range(40, 3880, 160), 0, 2000, 1500, 3000)),
+        ((1, 1), (8000, 30000)),
+    ],
+    ids=["mixed", "long_decode"],
+)
+def test_large_bf16(
+    query_lens: tuple[int, ...],
+    context_lens: tuple[int, ...],
+    sliding_window: int | None,
+    device: str,
+    assert_close: Callable,
+) -> None:
+    """Llama-8B-like heads; the long decode batch takes the automatic split-KV path."""
+    torch.manual_seed(6)
+    batch = make_batch(query_lens, context_lens, 8, 4, 128, 16, torch.bfloat16, device)
+    assert_close(
+        paged_attention(**batch, sliding_window=sliding_window),
+        reference.paged_attention(**batch, sliding_window=sliding_window),
+    )
