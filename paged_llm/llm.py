@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import time
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +25,128 @@ from paged_llm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 PromptType = str | dict[str, Any]
+
+
+@dataclass
+class PreparedRequest:
+    """A prompt after tokenization and validation; ``error`` says why it cannot run."""
+
+    index: int
+    prompt: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    error: str | None = None
+
+
+class GenerationStream:
+    """Iterates ``(input_index, RequestOutput)`` in completion order while the engine
+    runs; see `LLM.generate_stream`."""
+
+    def __init__(
+        self,
+        llm: LLM,
+        engine: LLMEngine,
+        requests: list[PreparedRequest],
+        use_tqdm: bool | Callable[..., tqdm],
+    ) -> None:
+        self.num_requests = len(requests)
+        self._llm = llm
+        self._engine = engine
+        self._requests = requests
+        self._use_tqdm = use_tqdm
+        self._iterator: Iterator[tuple[int, RequestOutput]] | None = None
+
+    def __iter__(self) -> Iterator[tuple[int, RequestOutput]]:
+        if self._iterator is None:
+            self._iterator = self._run()
+        return self._iterator
+
+    def close(self) -> None:
+        """Stop early: cancel what is still running."""
+        if self._iterator is not None:
+            self._iterator.close()  # type: ignore[attr-defined]
+
+    def _run(self) -> Iterator[tuple[int, RequestOutput]]:
+        engine = self._engine
+        progress = _progress_bar(
+            self._use_tqdm, total=sum(1 if r.error else r.params.n for r in self._requests)
+        )
+        metrics_before = engine.get_metrics()
+        started = time.perf_counter()
+        num_prompt_tokens = num_output_tokens = 0
+        order: dict[str, int] = {}
+        try:
+            for request in self._requests:
+                if request.error is not None:
+                    progress.update(1)
+                    yield request.index, _error_output(request)
+                    continue
+                request_id = self._llm._next_request_id()
+                order[request_id] = request.index
+                engine.add_request(
+                    request_id,
+                    request.prompt,
+                    request.token_ids,
+                    request.params,
+                    self._llm._bad_words_token_ids(request.params),
+                )
+            while engine.has_unfinished():
+                for output in engine.step():
+                    num_prompt_tokens += len(output.prompt_token_ids)
+                    num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    elapsed = max(time.perf_counter() - started, 1e-9)
+                    progress.set_postfix_str(
+                        f"est. speed input: {num_prompt_tokens / elapsed:.2f} toks/s, "
+                        f"output: {num_output_tokens / elapsed:.2f} toks/s",
+                        refresh=False,
+                    )
+                    progress.update(len(output.outputs))
+                    yield order[output.request_id], output
+        finally:
+            if engine.has_unfinished():
+                engine.abort_all()
+            progress.close()
+            _log_summary(metrics_before, engine.get_metrics(), time.perf_counter() - started)
+
+
+def _progress_bar(use_tqdm: bool | Callable[..., tqdm], total: int) -> tqdm:
+    factory = use_tqdm if callable(use_tqdm) else tqdm
+    return factory(
+        total=total, desc="Processed prompts", disable=use_tqdm is False, dynamic_ncols=True
+    )
+
+
+def _error_output(request: PreparedRequest) -> RequestOutput:
+    return RequestOutput(
+        request_id=f"rejected-{request.index}",
+        prompt=request.prompt,
+        prompt_token_ids=request.token_ids,
+        outputs=[],
+        finished=True,
+        error=request.error,
+    )
+
+
+def _log_summary(before: EngineMetrics, after: EngineMetrics, seconds: float) -> None:
+    requests = after.num_requests - before.num_requests
+    if requests == 0:
+        return
+    prompt_tokens = after.num_prompt_tokens - before.num_prompt_tokens
+    generated = after.num_generated_tokens - before.num_generated_tokens
+    queried = after.prefix_cache_queried_tokens - before.prefix_cache_queried_tokens
+    hits = after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
+    logger.info(
+        "Finished %d requests in %.2f s: %d prompt tokens (%.1f tok/s), %d generated tokens "
+        "(%.1f tok/s); prefix-cache hit rate %.1f%%; %d preemptions.",
+        requests,
+        seconds,
+        prompt_tokens,
+        prompt_tokens / seconds,
+        generated,
+        generated / seconds,
+        100.0 * hits / queried if queried else 0.0,
+        after.num_preemptions - before.num_preemptions,
+    )
 
 
 class LLM:
@@ -91,7 +217,10 @@ class LLM:
         self.eos_token_ids = _eos_token_ids(self.generation_config, self.tokenizer)
         self.vocab_size: int = hf_config.vocab_size
         self.engine: LLMEngine | None = LLMEngine(self.config, self.tokenizer, self.eos_token_ids)
-        self._request_counter = 0
+        self._request_counter = itertools.count()
+
+    def _next_request_id(self) -> str:
+        return str(next(self._request_counter))
 
     # ----- lifecycle --------------------------------------------------------------------
 
@@ -118,46 +247,74 @@ class LLM:
         self,
         prompts: PromptType | SequenceABC[PromptType],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        on_error: str = "raise",
     ) -> list[RequestOutput]:
         """Complete every prompt; results come back in input order.
 
-        ``prompts``: a string, a ``{"prompt_token_ids": [...]}`` dict, or a list of them.
-        ``sampling_params``: one for all prompts, or a list with one per prompt. Every
-        request is validated before any work starts; a bad one raises ValueError naming
-        its index.
+        Args:
+            prompts: A string, a ``{"prompt_token_ids": [...]}`` dict, or a list of them.
+            sampling_params: One for all prompts, or a list with one per prompt; None
+                uses `get_default_sampling_params`.
+            use_tqdm: Show a "Processed prompts" progress bar; a callable replaces
+                ``tqdm.auto.tqdm`` (it gets the same arguments).
+            on_error: "raise": every request is validated first, and a bad one raises
+                ValueError naming its index before any work starts. "skip": a bad
+                request gets a RequestOutput whose ``error`` says why, and the others run.
         """
-        engine = self._live_engine()
-        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        params_list = self._params_per_prompt(sampling_params, len(prompt_list))
-        requests = [
-            (text, token_ids, params)
-            for (text, token_ids), params in zip(
-                self._tokenize(prompt_list), params_list, strict=True
-            )
-        ]
-        for index, (_, token_ids, params) in enumerate(requests):
-            self._validate_request(index, token_ids, params)
-
-        order: dict[str, int] = {}
-        for index, (text, token_ids, params) in enumerate(requests):
-            request_id = str(self._request_counter)
-            self._request_counter += 1
-            order[request_id] = index
-            engine.add_request(
-                request_id, text, token_ids, params, self._bad_words_token_ids(params)
-            )
-
-        results: list[RequestOutput | None] = [None] * len(requests)
-        with tqdm(
-            total=len(requests), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
-        ) as progress:
-            while engine.has_unfinished():
-                for output in engine.step():
-                    results[order[output.request_id]] = output
-                    progress.update(1)
+        stream = self.generate_stream(prompts, sampling_params, use_tqdm, on_error)
+        results: list[RequestOutput | None] = [None] * stream.num_requests
+        for index, output in stream:
+            results[index] = output
         assert all(result is not None for result in results)
         return results  # type: ignore[return-value]
+
+    def generate_stream(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = False,
+        on_error: str = "raise",
+    ) -> GenerationStream:
+        """Like `generate`, but yields ``(input_index, RequestOutput)`` as each request
+        finishes, so results can be written while the batch runs.
+
+        Validation happens here, before the first result is asked for. Leaving the loop
+        early (break, an exception) cancels the requests still running.
+        """
+        engine = self._live_engine()
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}.")
+        prepared = self._prepare(prompts, sampling_params, skip_invalid=on_error == "skip")
+        return GenerationStream(self, engine, prepared, use_tqdm)
+
+    def _prepare(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None,
+        skip_invalid: bool,
+    ) -> list[PreparedRequest]:
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params_list = self._params_per_prompt(sampling_params, len(prompt_list))
+        texts = [p for p in prompt_list if isinstance(p, str)]
+        encoded = iter(self.tokenizer(texts)["input_ids"] if texts else [])
+        prepared = []
+        for index, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
+            token_ids = list(next(encoded)) if isinstance(prompt, str) else None
+            request = PreparedRequest(
+                index, prompt if isinstance(prompt, str) else None, [], params
+            )
+            try:
+                if token_ids is None:
+                    request.prompt, token_ids = self._prompt_tokens(index, prompt)
+                request.token_ids = token_ids
+                self._validate_request(index, token_ids, params)
+            except ValueError as error:
+                if not skip_invalid:
+                    raise
+                request.error = str(error)
+            prepared.append(request)
+        return prepared
 
     def chat(
         self,
@@ -242,43 +399,32 @@ class LLM:
                 f"Got {len(params)} SamplingParams for {num_prompts} prompts; pass one "
                 "SamplingParams for all prompts or a list with exactly one per prompt."
             )
-        for index, item in enumerate(params):
-            if not isinstance(item, SamplingParams):
-                raise ValueError(
-                    f"Request {index}: sampling_params must be a SamplingParams, got "
-                    f"{type(item).__name__}."
-                )
         return params
 
-    def _tokenize(self, prompts: list[Any]) -> list[tuple[str | None, list[int]]]:
-        texts = {i: p for i, p in enumerate(prompts) if isinstance(p, str)}
-        encoded = (
-            dict(zip(texts, self.tokenizer(list(texts.values()))["input_ids"], strict=True))
-            if texts
-            else {}
-        )
-        tokenized: list[tuple[str | None, list[int]]] = []
-        for index, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                tokenized.append((prompt, list(encoded[index])))
-            elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-                token_ids = prompt["prompt_token_ids"]
-                if not isinstance(token_ids, (list, tuple)) or not all(
-                    isinstance(t, int) for t in token_ids
-                ):
-                    raise ValueError(
-                        f"Request {index}: prompt_token_ids must be a list of ints, got "
-                        f"{type(token_ids).__name__}."
-                    )
-                tokenized.append((prompt.get("prompt"), list(token_ids)))
-            else:
-                raise ValueError(
-                    f"Request {index}: a prompt must be a str or a dict with 'prompt_token_ids', "
-                    f"got {type(prompt).__name__}."
-                )
-        return tokenized
+    @staticmethod
+    def _prompt_tokens(index: int, prompt: Any) -> tuple[str | None, list[int]]:
+        """The text and token ids of a prompt given as a dict."""
+        if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
+            raise ValueError(
+                f"Request {index}: a prompt must be a str or a dict with 'prompt_token_ids', "
+                f"got {type(prompt).__name__}."
+            )
+        token_ids = prompt["prompt_token_ids"]
+        if not isinstance(token_ids, (list, tuple)) or not all(
+            isinstance(t, int) for t in token_ids
+        ):
+            raise ValueError(
+                f"Request {index}: prompt_token_ids must be a list of ints, got "
+                f"{type(token_ids).__name__}."
+            )
+        return prompt.get("prompt"), list(token_ids)
 
     def _validate_request(self, index: int, token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(
+                f"Request {index}: sampling_params must be a SamplingParams, got "
+                f"{type(params).__name__}."
+            )
         max_model_len = self.config.max_model_len
         if not token_ids:
             raise ValueError(

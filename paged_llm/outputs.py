@@ -53,6 +53,8 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # Tokens of the longest completion; with the token times it gives the decode pace.
+    num_generated_tokens: int = 0
 
     @property
     def time_in_queue(self) -> float | None:
@@ -66,12 +68,22 @@ class RequestMetrics:
             return None
         return self.first_token_time - self.arrival_time
 
+    @property
+    def inter_token_latency(self) -> float | None:
+        """Mean seconds between consecutive generated tokens."""
+        if self.first_token_time is None or self.last_token_time is None:
+            return None
+        if self.num_generated_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_generated_tokens - 1)
+
 
 @dataclass
 class RequestOutput:
     """The result of one prompt: its completions and how they were produced.
 
-    ``num_cached_tokens`` counts prompt tokens served from the prefix cache.
+    ``num_cached_tokens`` counts prompt tokens served from the prefix cache. ``error`` is
+    set (and ``outputs`` empty) only for a request rejected under ``on_error="skip"``.
     """
 
     request_id: str
@@ -82,3 +94,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    error: str | None = None

@@ -98,6 +98,15 @@ class SamplingParams:
     def verify(self) -> None:
         """Raise ValueError naming the first field whose value is out of range."""
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
+        for name in (
+            "include_stop_str_in_output",
+            "ignore_eos",
+            "detokenize",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+        ):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), name, value, "a bool")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(-2.0 <= value <= 2.0, name, value, "in [-2, 2]")

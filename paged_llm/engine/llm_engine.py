@@ -143,6 +143,11 @@ class LLMEngine:
             if request.is_finished
         ]
 
+    def abort_all(self) -> None:
+        """Drop every unfinished request and release its blocks."""
+        self.scheduler.abort_all()
+        self.output_processor.reset()
+
     def get_metrics(self) -> EngineMetrics:
         return EngineMetrics(
             num_requests=self._num_requests,

@@ -17,6 +17,11 @@ class OutputProcessor:
         self._stopped_texts: dict[int, str] = {}
         self._token_texts: dict[int, str] = {}
 
+    def reset(self) -> None:
+        """Forget the per-sequence state of aborted sequences."""
+        self._detokenizers.clear()
+        self._stopped_texts.clear()
+
     def find_stop_string(self, seq: Sequence) -> str | None:
         """Detokenize the sequence's newest token; return a stop string it completes.
 
@@ -103,6 +108,7 @@ class OutputProcessor:
                     stop_reason=seq.stop_reason,
                 )
             )
+        request.metrics.num_generated_tokens = max(seq.num_output_tokens for seq in request.seqs)
         prompt_logprobs = None
         if params.prompt_logprobs is not None:
             prompt_logprobs = [None] + [self._logprob_dict(raw) for raw in request.prompt_logprobs]

@@ -187,6 +187,15 @@ class Scheduler:
             return True
         return False
 
+    def abort_all(self) -> None:
+        for seq in self.running:
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.FINISHED
+        for seq in self.waiting:
+            seq.status = SequenceStatus.FINISHED
+        self.running.clear()
+        self.waiting.clear()
+
     def finish(
         self, seq: Sequence, reason: FinishReason | None, stop_reason: int | str | None = None
     ) -> None:
