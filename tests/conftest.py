@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,6 +11,11 @@ import pytest
 import torch
 import transformers
 from transformers import AutoTokenizer, GenerationConfig
+
+# NOTE: before anything imports csrc_triton: @triton.jit reads this at decoration time. Without a
+# GPU, Triton kernels run (slowly) under the interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The embedded model's tokenizer is the "real tokenizer" of the tiny test models.
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

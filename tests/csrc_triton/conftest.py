@@ -1,14 +1,9 @@
-"""Kernel test setup: run Triton kernels under the interpreter when there is no GPU."""
+"""Kernel test setup: device and tolerances (tests/conftest.py turns on the interpreter)."""
 
-import os
 from collections.abc import Callable
 
 import pytest
 import torch
-
-# NOTE: must run before any test module imports csrc_triton: @triton.jit reads it at decoration.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
