@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer
 
 # NOTE: before anything imports csrc_triton: @triton.jit reads this at decoration time. Without a
 # GPU, Triton kernels run (slowly) under the interpreter.
@@ -112,11 +112,16 @@ def hf_greedy(
     model: torch.nn.Module, prompt_token_ids: list[int], max_new_tokens: int
 ) -> list[int]:
     """Transformers' greedy tokens for one prompt, EOS ignored, no padding."""
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
+    # NOTE: as keyword arguments: inside a GenerationConfig object, eos_token_id=None would
+    # be filled in from the model's own generation config.
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_token_ids]), generation_config=config)
+        out = model.generate(
+            torch.tensor([prompt_token_ids]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     tokens = out[0, len(prompt_token_ids) :].tolist()
     assert len(tokens) == max_new_tokens
     return tokens

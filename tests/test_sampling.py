@@ -337,16 +337,17 @@ def test_penalized_greedy_decoding_equals_the_reference(
     penalized = ours(
         repetition_penalty=repetition, presence_penalty=presence, frequency_penalty=frequency
     )
-    config = transformers.GenerationConfig(
-        max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
     processor = _ReferenceConstraints(len(prompt_ids), bias, repetition, presence, frequency)
     with torch.no_grad():
         reference = hf_model.generate(
             torch.tensor([prompt_ids]),
-            generation_config=config,
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
             logits_processor=transformers.LogitsProcessorList([processor]),
         )[0, len(prompt_ids) :].tolist()
+    assert len(reference) == max_tokens
     assert penalized == reference
     assert penalized != ours(), "the penalties should matter here"
 

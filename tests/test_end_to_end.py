@@ -1,0 +1,69 @@
+"""The real embedded model, SmolLM2-135M-Instruct, end to end."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from paged_llm import LLM, SamplingParams
+from paged_llm.model_files import DEFAULT_MODEL, resolve_model
+from tests.conftest import hf_greedy, smollm2_gguf_path
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+    "How many legs does a spider have?",
+    "Explain in one sentence what photosynthesis is.",
+    "What is 12 times 12?",
+    "Give me a tip for learning to play the guitar.",
+    "Who wrote Romeo and Juliet?",
+]
+MAX_TOKENS = 32
+MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return resolve_model(DEFAULT_MODEL).path
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path) -> Iterator[LLM]:
+    with LLM(model_dir, max_model_len=MAX_MODEL_LEN) as instance:
+        yield instance
+
+
+def test_greedy_chat_equals_transformers(llm: LLM, model_dir: Path) -> None:
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    outputs = llm.chat(conversations, params, use_tqdm=False)
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for output in outputs:
+        completion = output.outputs[0]
+        expected = hf_greedy(reference.eval(), output.prompt_token_ids, MAX_TOKENS)
+        # transformers was told to ignore EOS; ours stops at it, so compare up to our end.
+        assert completion.token_ids == expected[: len(completion.token_ids)]
+        if completion.finish_reason == "stop":
+            assert completion.token_ids[-1] in llm.eos_token_ids
+    assert "Paris" in outputs[0].outputs[0].text
+
+
+def test_gguf_file_and_hub_id_give_the_same_model(llm: LLM) -> None:
+    conversation = [{"role": "user", "content": QUESTIONS[0]}]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    expected = llm.chat(conversation, params, use_tqdm=False)[0].outputs[0].token_ids
+    for source in (str(smollm2_gguf_path()), DEFAULT_MODEL):
+        started = time.perf_counter()
+        with LLM(source, max_model_len=256) as other:
+            load_seconds = time.perf_counter() - started
+            assert other.chat(conversation, params, use_tqdm=False)[0].outputs[0].token_ids == expected
+        # The conversion is cached: loading from the GGUF again takes seconds, not a re-conversion.
+        assert resolve_model(source).path == resolve_model(DEFAULT_MODEL).path
+        assert load_seconds < 30
