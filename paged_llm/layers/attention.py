@@ -79,35 +79,52 @@ class _PrefillSeq:
 
 
 @dataclass(slots=True)
+class _DecodeGroup:
+    """Decodes of similar context length, attended together over a padded context."""
+
+    token_idx: torch.Tensor  # [G] rows of the flat batch
+    block_tables: torch.Tensor  # [G, num_blocks] int64
+    seq_lens: torch.Tensor  # [G]
+    valid: torch.Tensor  # [G, num_blocks * block_size]: position < seq_len
+
+
+@dataclass(slots=True)
 class _TorchStepData:
-    decode_token_idx: torch.Tensor | None
-    decode_block_tables: torch.Tensor | None
-    # [num_decodes, max_context] True where a cached position exists.
-    decode_valid: torch.Tensor | None
-    decode_seq_lens: torch.Tensor | None
+    decode_groups: list[_DecodeGroup]
     prefills: list[_PrefillSeq]
+
+
+# A decode group admits sequences down to this fraction of its longest context, which
+# bounds the padded (wasted) part of its gather at 1 - fraction.
+_DECODE_GROUP_MIN_FILL = 2 / 3
 
 
 class TorchAttentionBackend(AttentionBackend):
     """Pure torch attention: runs everywhere, and is the CPU default.
 
-    Decodes (one query token each) are batched into one gather over the block tables
-    and one batched matmul; prefill chunks run per sequence through SDPA.
+    The cache is head-major, ``[Hkv, num_blocks, block_size, D]``, so a gather over block
+    tables yields ``[Hkv, seqs, context, D]``, which batched matmuls consume as is. Decodes
+    (one query token each) are batched by similar context length; prefill chunks run per
+    sequence through SDPA.
     """
 
     name = "torch"
 
+    @staticmethod
+    def kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        return (num_kv_heads, num_blocks, block_size, head_dim)
+
     def prepare(self, metadata: AttentionMetadata) -> _TorchStepData:
         qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
         block_size = metadata.block_size
-        decode_idx: list[int] = []
-        decode_rows: list[int] = []
+        decodes: list[int] = []
         prefills: list[_PrefillSeq] = []
         for b, seq_len in enumerate(seq_lens):
             start, end = qsl[b], qsl[b + 1]
             if end - start == 1:
-                decode_idx.append(start)
-                decode_rows.append(b)
+                decodes.append(b)
                 continue
             has_context = seq_len > end - start
             block_ids = (
@@ -116,19 +133,30 @@ class TorchAttentionBackend(AttentionBackend):
                 else None
             )
             prefills.append(_PrefillSeq(slice(start, end), seq_len, block_ids))
-        if not decode_idx:
-            return _TorchStepData(None, None, None, None, prefills)
+        decodes.sort(key=lambda b: -seq_lens[b])
+        groups: list[_DecodeGroup] = []
         device = metadata.block_tables.device
-        rows = torch.tensor(decode_rows, device=device)
-        decode_seq_lens = metadata.seq_lens[rows].long()
-        max_len = max(seq_lens[b] for b in decode_rows)
-        num_blocks = -(-max_len // block_size)
-        block_tables = metadata.block_tables[rows, :num_blocks].long()
-        positions = torch.arange(num_blocks * block_size, device=device)
-        valid = positions[None, :] < decode_seq_lens[:, None]
-        return _TorchStepData(
-            torch.tensor(decode_idx, device=device), block_tables, valid, decode_seq_lens, prefills
-        )
+        while decodes:
+            longest = seq_lens[decodes[0]]
+            size = 1
+            while (
+                size < len(decodes) and seq_lens[decodes[size]] >= longest * _DECODE_GROUP_MIN_FILL
+            ):
+                size += 1
+            rows, decodes = decodes[:size], decodes[size:]
+            rows_tensor = torch.tensor(rows, device=device)
+            group_seq_lens = metadata.seq_lens[rows_tensor].long()
+            num_blocks = -(-longest // block_size)
+            positions = torch.arange(num_blocks * block_size, device=device)
+            groups.append(
+                _DecodeGroup(
+                    token_idx=torch.tensor([qsl[b] for b in rows], device=device),
+                    block_tables=metadata.block_tables[rows_tensor, :num_blocks].long(),
+                    seq_lens=group_seq_lens,
+                    valid=positions[None, :] < group_seq_lens[:, None],
+                )
+            )
+        return _TorchStepData(groups, prefills)
 
     def forward(
         self,
@@ -143,8 +171,8 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
         slots = metadata.slot_mapping
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
+        key_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, key.transpose(0, 1))
+        value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, value.transpose(0, 1))
         data: _TorchStepData = metadata.backend_data
         out = torch.empty_like(query)
         for seq in data.prefills:
@@ -158,17 +186,17 @@ class TorchAttentionBackend(AttentionBackend):
                 scale,
                 sliding_window,
             )
-        if data.decode_token_idx is not None:
-            out[data.decode_token_idx] = _decode_attention(
-                query[data.decode_token_idx], key_cache, value_cache, data, scale, sliding_window
+        for group in data.decode_groups:
+            out[group.token_idx] = _decode_attention(
+                query[group.token_idx], key_cache, value_cache, group, scale, sliding_window
             )
         return out
 
 
 def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """``[..., num_blocks * block_size, Hkv, D]`` tokens of the given blocks, in order."""
-    gathered = cache[block_ids]
-    return gathered.reshape(*block_ids.shape[:-1], -1, *cache.shape[2:])
+    """``[Hkv, ..., num_blocks * block_size, D]``: the tokens of the given blocks, in order."""
+    gathered = cache[:, block_ids]
+    return gathered.reshape(*gathered.shape[:-3], -1, gathered.shape[-1])
 
 
 def _prefill_attention(
@@ -182,9 +210,11 @@ def _prefill_attention(
     sliding_window: int | None,
 ) -> torch.Tensor:
     query_len = query.shape[0]
-    if seq.block_ids is not None:
-        key = _gather_context(key_cache, seq.block_ids)[: seq.seq_len]
-        value = _gather_context(value_cache, seq.block_ids)[: seq.seq_len]
+    if seq.block_ids is None:
+        key, value = key.transpose(0, 1), value.transpose(0, 1)
+    else:
+        key = _gather_context(key_cache, seq.block_ids)[:, : seq.seq_len]
+        value = _gather_context(value_cache, seq.block_ids)[:, : seq.seq_len]
     mask = None
     if seq.block_ids is not None or sliding_window is not None:
         q_pos = torch.arange(seq.seq_len - query_len, seq.seq_len, device=query.device)
@@ -195,8 +225,8 @@ def _prefill_attention(
             mask &= distance < sliding_window
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1),
-        key.transpose(0, 1),
-        value.transpose(0, 1),
+        key,
+        value,
         attn_mask=mask,
         is_causal=mask is None,
         scale=scale,
@@ -209,25 +239,24 @@ def _decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    data: _TorchStepData,
+    group: _DecodeGroup,
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    keys = _gather_context(key_cache, data.decode_block_tables)  # [B, L, Hkv, D]
-    values = _gather_context(value_cache, data.decode_block_tables)
-    q = query.view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", q, keys) * scale
-    valid = data.decode_valid
+    num_kv_heads = key_cache.shape[0]
+    keys = _gather_context(key_cache, group.block_tables)  # [Hkv, B, L, D]
+    values = _gather_context(value_cache, group.block_tables)
+    q = query.view(num_seqs, num_kv_heads, -1, head_dim).transpose(0, 1)  # [Hkv, B, G, D]
+    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)  # [Hkv, B, G, L]
+    valid = group.valid
     if sliding_window is not None:
         positions = torch.arange(valid.shape[1], device=valid.device)
-        valid = valid & (positions[None, :] > data.decode_seq_lens[:, None] - 1 - sliding_window)
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        valid = valid & (positions[None, :] > group.seq_lens[:, None] - 1 - sliding_window)
+    scores.masked_fill_(~valid[None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, values)
-    return out.reshape(num_seqs, num_heads, head_dim)
+    out = torch.matmul(probs, values)  # [Hkv, B, G, D]
+    return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}

@@ -67,12 +67,16 @@ def test_torch_backend_matches_reference(
     backend = TorchAttentionBackend()
     metadata.backend_data = backend.prepare(metadata)
     expected = reference.paged_attention(**batch, sliding_window=sliding_window)
+    # The batch's caches are token-major; this backend keeps its cache head-major.
+    key_cache = batch["key_cache"].permute(2, 0, 1, 3).contiguous()
+    value_cache = batch["value_cache"].permute(2, 0, 1, 3).contiguous()
+    assert key_cache.shape == backend.kv_cache_shape(*batch["key_cache"].shape[:2], 2, head_dim)
     actual = backend.forward(
         batch["query"],
         key,
         value,
-        batch["key_cache"],
-        batch["value_cache"],
+        key_cache,
+        value_cache,
         metadata,
         batch["scale"],
         sliding_window,
