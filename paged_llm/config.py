@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,16 @@ class EngineConfig:
         )
         if attention_backend == "auto":
             attention_backend = "triton" if resolved_device.type == "cuda" else "torch"
+        if (
+            attention_backend == "triton"
+            and resolved_device.type == "cpu"
+            and os.environ.get("TRITON_INTERPRET") != "1"
+        ):
+            raise ValueError(
+                "attention_backend='triton' on CPU runs only under the Triton interpreter: set "
+                "TRITON_INTERPRET=1 before importing paged_llm (slow; meant for tests), or use "
+                "attention_backend='torch' (the CPU default)."
+            )
         return cls(
             model_dir=model_dir,
             hf_config=hf_config,

@@ -10,15 +10,16 @@ import logging
 import os
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 
 from paged_llm.config import EngineConfig
+from paged_llm.engine.batch import HostBatch, attention_metadata, build_host_batch, to_device
+from paged_llm.engine.cuda_graphs import DecodeGraphs
 from paged_llm.engine.sampling_metadata import build_sampling_metadata
 from paged_llm.engine.scheduler import ScheduledBatch
 from paged_llm.engine.sequence import RawLogprobs, Sequence
-from paged_llm.layers.attention import Attention, AttentionMetadata, get_attention_backend
+from paged_llm.layers.attention import Attention, TritonAttentionBackend, get_attention_backend
 from paged_llm.layers.sampler import LogprobsTensors, Sampler, compute_logprobs
 from paged_llm.loader import load_weights
 from paged_llm.models import get_model_class
@@ -78,14 +79,6 @@ def _logprob_rows(tensors: LogprobsTensors, seqs: list[Sequence], field: str) ->
     return rows
 
 
-@dataclass(slots=True)
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attention: AttentionMetadata
-    logits_indices: torch.Tensor
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int]) -> None:
         self.config = config
@@ -100,6 +93,26 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_cache = torch.empty(0)
         self.num_blocks = self._allocate_kv_cache()
+        self.decode_graphs: DecodeGraphs | None = None
+        if self._use_cuda_graphs():
+            with torch.inference_mode():
+                self.decode_graphs = DecodeGraphs(
+                    self.model,
+                    config.max_num_seqs,
+                    -(-config.max_model_len // self.block_size),
+                    config.max_model_len,
+                    self.block_size,
+                    self.device,
+                )
+            logger.info("Captured CUDA graphs for decode batches of %s.", self.decode_graphs.sizes)
+
+    def _use_cuda_graphs(self) -> bool:
+        # Only the Triton backend reads nothing but device tensors, as replay requires.
+        return (
+            self.device.type == "cuda"
+            and not self.config.enforce_eager
+            and isinstance(self.attention_backend, TritonAttentionBackend)
+        )
 
     # ----- KV cache -------------------------------------------------------------------
 
@@ -195,98 +208,55 @@ class ModelRunner:
         block_tables = [
             list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(seq_lens))
         ]
-        inputs = self._build_inputs(
+        batch = build_host_batch(
             token_ids=[[0] * n for n in seq_lens],
             num_computed=[0] * len(seq_lens),
             num_scheduled=seq_lens,
             block_tables=block_tables,
             samples=[True] * len(seq_lens),
+            block_size=self.block_size,
         )
         with torch.inference_mode():
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
-            self.model.compute_logits(hidden[inputs.logits_indices])
+            hidden = self._forward(batch)
+            self.model.compute_logits(hidden[to_device(batch.logits_indices, self.device)])
 
     # ----- one step -------------------------------------------------------------------
 
-    def _build_inputs(
-        self,
-        token_ids: list[list[int]],
-        num_computed: list[int],
-        num_scheduled: list[int],
-        block_tables: list[list[int]],
-        samples: list[bool],
-    ) -> StepInputs:
-        """Flat batch tensors for sequences with these tokens, computed counts, step
-        sizes and block tables. Per-token work is vectorized; only the gathering of each
-        sequence's new tokens and block table is a Python loop."""
-        num_seqs = len(token_ids)
-        block_size = self.block_size
-        step_ids: list[int] = []
-        for ids, start, count in zip(token_ids, num_computed, num_scheduled, strict=True):
-            step_ids.extend(ids[start : start + count])
-        computed = np.asarray(num_computed, dtype=np.int64)
-        scheduled = np.asarray(num_scheduled, dtype=np.int64)
-        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(scheduled, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        seq_index = np.repeat(np.arange(num_seqs), scheduled)
-        positions = np.arange(num_tokens) - query_start_loc[seq_index] + computed[seq_index]
-        seq_lens = computed + scheduled
-        max_blocks = max(len(table) for table in block_tables)
-        table_array = np.zeros((num_seqs, max_blocks), dtype=np.int32)
-        for row, table in enumerate(block_tables):
-            table_array[row, : len(table)] = table
-        slot_mapping = (
-            table_array[seq_index, positions // block_size].astype(np.int64) * block_size
-            + positions % block_size
-        )
-        logits_indices = (query_start_loc[1:] - 1)[np.asarray(samples, dtype=bool)]
-
+    def _forward(self, batch: HostBatch) -> torch.Tensor:
+        """Hidden states of every token of the batch (a CUDA graph replay when one fits)."""
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            return self.decode_graphs.run(batch)
         device = self.device
-        attention = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(device),
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-            block_tables=torch.from_numpy(table_array).to(device),
-            query_start_loc_cpu=query_start_loc.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-            max_query_len=int(scheduled.max()),
-            max_seq_len=int(seq_lens.max()),
-            block_size=block_size,
-        )
-        attention.backend_data = self.attention_backend.prepare(attention)
-        return StepInputs(
-            input_ids=torch.tensor(step_ids, dtype=torch.long, device=device),
-            positions=torch.from_numpy(positions).to(device),
-            attention=attention,
-            logits_indices=torch.from_numpy(logits_indices).to(device),
+        metadata = attention_metadata(batch, self.block_size, self.attention_backend, device)
+        return self.model(
+            to_device(batch.input_ids, device), to_device(batch.positions, device), metadata
         )
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Run the step: one token (and its logprobs, if asked) per sampling sequence, and
         the prompt logprobs the step's prompt chunks owe."""
-        inputs = self._build_inputs(
+        host = build_host_batch(
             token_ids=[seq.token_ids for seq in batch.seqs],
             num_computed=[seq.num_computed_tokens for seq in batch.seqs],
             num_scheduled=batch.num_scheduled_tokens,
             block_tables=[seq.block_table for seq in batch.seqs],
             samples=batch.samples,
+            block_size=self.block_size,
         )
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
+        hidden = self._forward(host)
         output = StepOutput(
             sampled_token_ids=[],
             logprobs=None,
-            prompt_logprobs=self._prompt_logprobs(
-                batch, inputs.attention.query_start_loc_cpu, hidden
-            ),
+            prompt_logprobs=self._prompt_logprobs(batch, host.query_start_loc.tolist(), hidden),
         )
         sampling_seqs = [
             seq for seq, sample in zip(batch.seqs, batch.samples, strict=True) if sample
         ]
         if not sampling_seqs:
             return output
-        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        logits_indices = to_device(host.logits_indices, self.device)
+        logits = self.model.compute_logits(hidden[logits_indices]).float()
         metadata = build_sampling_metadata(
             sampling_seqs, logits.shape[-1], self.eos_token_ids, self.device
         )
@@ -355,6 +325,7 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.key_cache = layer.value_cache = torch.empty(0)
         self.attention_layers.clear()
+        self.decode_graphs = None
         self.kv_cache = torch.empty(0)
         self.model = nn.Module()
         if self.device.type == "cuda":

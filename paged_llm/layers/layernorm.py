@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from paged_llm.layers.kernels import triton_kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -15,7 +17,15 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``."""
+        """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``.
+
+        On CUDA this is one Triton kernel (which updates ``residual`` in place).
+        """
+        if x.is_cuda:
+            kernels = triton_kernels()
+            if residual is not None:
+                return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         if residual is not None:
             x = x + residual
             return self._norm(x), x

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from paged_llm.layers.kernels import triton_kernels
+
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -81,7 +83,13 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """query ``[T, H, D]``, key ``[T, Hkv, D]``; returns the rotated pair."""
+        """query ``[T, H, D]``, key ``[T, Hkv, D]``; returns the rotated pair.
+
+        On CUDA a Triton kernel rotates both in place, through whatever views they are.
+        """
+        if query.is_cuda:
+            triton_kernels().apply_rotary(query, key, positions, self.cos_sin_cache)
+            return query, key
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 

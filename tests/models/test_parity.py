@@ -80,11 +80,21 @@ def references(
     return get
 
 
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
-@pytest.mark.parametrize("arch", list(TINY_MODELS))
+@pytest.mark.parametrize(
+    ("arch", "scenario", "attention_backend"),
+    [(arch, scenario, "torch") for arch in TINY_MODELS for scenario in SCENARIOS]
+    # The Triton kernels, under the (slow) interpreter on CPU: GQA with chunked prefill,
+    # sliding window with prefix hits, head_dim 32 with chunked prefill.
+    + [
+        ("llama", "chunked-prefill", "triton"),
+        ("mistral", "prefix-hits", "triton"),
+        ("qwen3", "chunked-prefill", "triton"),
+    ],
+)
 def test_greedy_matches_transformers(
     arch: str,
     scenario: str,
+    attention_backend: str,
     tiny_model_dir: Callable[[str], Path],
     references: Callable[[str, bool], tuple[list[list[int]], list[list[int]]]],
 ) -> None:
@@ -104,7 +114,12 @@ def test_greedy_matches_transformers(
         )
         settings["kv_cache_memory_bytes"] = num_blocks * bytes_per_block
 
-    with LLM(tiny_model_dir(arch), max_model_len=max_model_len, **settings) as llm:
+    with LLM(
+        tiny_model_dir(arch),
+        max_model_len=max_model_len,
+        attention_backend=attention_backend,
+        **settings,
+    ) as llm:
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         metrics = llm.get_metrics()

@@ -1,0 +1,389 @@
+"""The `paged-llm` command line: batch generation from a JSONL file, safe to kill and resume.
+
+    paged-llm generate --input prompts.jsonl --output completions.jsonl [--resume]
+
+Each input line is ``{"id": ..., "prompt": "..."}`` or ``{"id": ..., "messages": [...]}``
+(rendered with the model's chat template). Each finished request is appended to the output
+as one JSON line and flushed to disk at once, so a crash loses only the requests still
+running; ``--resume`` repairs a torn last line and runs only the ids not yet written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import re
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from paged_llm.llm import LLM
+from paged_llm.model_files import DEFAULT_MODEL
+from paged_llm.outputs import RequestOutput
+from paged_llm.sampling_params import SamplingParams
+
+# At most this many input errors are listed before the rest are only counted.
+_MAX_LISTED_ERRORS = 20
+# Used when neither --max-tokens nor the model's generation_config sets a length: vLLM's
+# SamplingParams default of 16 tokens is too short for a dataset job.
+_DEFAULT_MAX_TOKENS = 256
+_BYTE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+class CliError(Exception):
+    """A problem with the command's input or files, reported as one message, exit code 2."""
+
+
+@dataclass(slots=True)
+class InputRow:
+    """One request of the input file; ``line`` is 1-based."""
+
+    line: int
+    id: str | int
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+
+
+def read_input(path: Path) -> list[InputRow]:
+    """Parse and validate the input JSONL; raise CliError listing every bad line."""
+    rows: list[InputRow] = []
+    errors: list[str] = []
+    first_line_of: dict[str | int, int] = {}
+    with open(path, encoding="utf-8") as lines:
+        for line_number, text in enumerate(lines, start=1):
+            if not text.strip():
+                continue
+            try:
+                row = _parse_row(line_number, text, first_line_of)
+            except ValueError as error:
+                errors.append(f"{path}:{line_number}: {error}")
+                continue
+            first_line_of[row.id] = line_number
+            rows.append(row)
+    if errors:
+        listed = errors[:_MAX_LISTED_ERRORS]
+        if len(errors) > len(listed):
+            listed.append(f"... and {len(errors) - len(listed)} more bad lines")
+        raise CliError(
+            f"{len(errors)} bad line(s) in the input; nothing was generated:\n" + "\n".join(listed)
+        )
+    return rows
+
+
+def _parse_row(line_number: int, text: str, first_line_of: dict[str | int, int]) -> InputRow:
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"not valid JSON ({error.msg} at column {error.colno})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    if "id" not in record:
+        raise ValueError("missing 'id'")
+    row_id = record["id"]
+    if isinstance(row_id, bool) or not isinstance(row_id, (str, int)):
+        raise ValueError(f"'id' must be a string or an integer, got {row_id!r}")
+    if row_id in first_line_of:
+        raise ValueError(f"duplicate id {row_id!r} (first seen on line {first_line_of[row_id]})")
+    prompt, messages = record.get("prompt"), record.get("messages")
+    if (prompt is None) == (messages is None):
+        which = "both 'prompt' and" if prompt is not None else "neither 'prompt' nor"
+        raise ValueError(f"row {row_id!r} has {which} 'messages'; give exactly one")
+    if prompt is not None and not isinstance(prompt, str):
+        raise ValueError(f"'prompt' must be a string, got {type(prompt).__name__}")
+    if messages is not None and not (
+        isinstance(messages, list)
+        and messages
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)
+    ):
+        raise ValueError(
+            '\'messages\' must be a non-empty list of {"role": ..., "content": ...} objects'
+        )
+    return InputRow(line_number, row_id, prompt, messages)
+
+
+def recover_output(path: Path) -> set[str | int]:
+    """The ids already in an output file, after cutting it back to its last complete row.
+
+    A crash can leave the last line half written (no newline, or not valid JSON); it is
+    truncated away, and its request runs again.
+    """
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    keep = data.rfind(b"\n") + 1
+    lines = data[:keep].splitlines(keepends=True)
+    ids: set[str | int] = set()
+    for number, line in enumerate(lines, start=1):
+        try:
+            row_id = json.loads(line)["id"]
+        except (ValueError, KeyError, TypeError):
+            if number < len(lines):
+                raise CliError(
+                    f"{path}:{number}: not a valid output row, and not the last line, so not a "
+                    "torn write; fix or remove that line, then rerun with --resume."
+                ) from None
+            keep -= len(line)
+            break
+        ids.add(row_id)
+    if keep < len(data):
+        with open(path, "r+b") as sink:
+            sink.truncate(keep)
+        print(
+            f"Repaired {path}: dropped a torn last line ({len(data) - keep} bytes).",
+            file=sys.stderr,
+        )
+    return ids
+
+
+def row_seed(seed: int, row_id: str | int) -> int:
+    """A 63-bit seed from --seed and the row's id, the same in every run and on every machine,
+    so a resumed run samples each row exactly as an uninterrupted run would."""
+    digest = hashlib.blake2b(json.dumps([seed, row_id]).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def parse_bytes(text: str) -> int:
+    """``"4GiB"``, ``"512M"``, ``"1e9"`` -> bytes (binary units)."""
+    match = re.fullmatch(r"\s*([0-9.e+]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected a size like 4GiB or 1073741824, got {text!r}")
+    try:
+        return int(float(match.group(1)) * _BYTE_UNITS[match.group(2)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size like 4GiB, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="paged-llm", description="Offline batch inference with paged_llm."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser(
+        "generate",
+        help="complete every row of a JSONL file",
+        description=(
+            "Complete every row of a JSONL file of {id, prompt} or {id, messages} objects. "
+            "Rows are appended to the output as they finish; after a crash, rerun with "
+            "--resume to finish the job."
+        ),
+    )
+    files = gen.add_argument_group("files")
+    files.add_argument("--input", "-i", type=Path, required=True, help="input JSONL")
+    files.add_argument("--output", "-o", type=Path, required=True, help="output JSONL")
+    files.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an existing output: skip the ids it holds, repair a torn last line",
+    )
+
+    engine = gen.add_argument_group("engine (see LLM in docs/usage.md)")
+    engine.add_argument("--model", "-m", default=DEFAULT_MODEL, help="default: %(default)s")
+    engine.add_argument(
+        "--max-model-len", type=int, help="longest prompt + completion (default: the model's)"
+    )
+    engine.add_argument("--max-num-seqs", type=int, help="most sequences per step")
+    engine.add_argument("--max-num-batched-tokens", type=int, help="most tokens per step")
+    engine.add_argument(
+        "--kv-cache-memory", type=parse_bytes, help="KV cache size, e.g. 2GiB (default: auto)"
+    )
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    engine.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    engine.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    engine.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+
+    sampling = gen.add_argument_group(
+        "sampling (see SamplingParams; unset flags keep the model's generation_config values)"
+    )
+    sampling.add_argument("--n", type=int, help="completions per row")
+    sampling.add_argument("--temperature", type=float, help="0 means greedy")
+    sampling.add_argument("--top-p", type=float)
+    sampling.add_argument("--top-k", type=int)
+    sampling.add_argument("--min-p", type=float)
+    sampling.add_argument("--repetition-penalty", type=float)
+    sampling.add_argument("--presence-penalty", type=float)
+    sampling.add_argument("--frequency-penalty", type=float)
+    sampling.add_argument(
+        "--max-tokens",
+        type=int,
+        help=f"most tokens per completion (default: the model's, else {_DEFAULT_MAX_TOKENS})",
+    )
+    sampling.add_argument("--min-tokens", type=int)
+    sampling.add_argument(
+        "--stop", action="append", metavar="TEXT", help="stop string (repeatable)"
+    )
+    sampling.add_argument("--ignore-eos", action="store_true", help="generate past EOS")
+    sampling.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="each row samples with a seed derived from this and its id, so reruns and "
+        "resumed runs reproduce it (default: %(default)s)",
+    )
+
+    gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    gen.add_argument("--verbose", "-v", action="store_true", help="log engine details")
+    return parser
+
+
+_SAMPLING_FLAGS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "max_tokens",
+    "min_tokens",
+    "stop",
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return _generate(args)
+    except CliError as error:
+        print(f"paged-llm: error: {error}", file=sys.stderr)
+        return 2
+    except (OSError, ImportError, ValueError) as error:
+        print(f"paged-llm: error: {error}", file=sys.stderr)
+        return 1
+
+
+def _generate(args: argparse.Namespace) -> int:
+    if args.input.resolve() == args.output.resolve():
+        raise CliError("--input and --output are the same file.")
+    if not args.input.is_file():
+        raise CliError(f"input file {args.input} does not exist.")
+    if not args.resume and args.output.exists() and args.output.stat().st_size > 0:
+        raise CliError(
+            f"{args.output} already exists and is not empty. Pass --resume to continue it "
+            "(rows already there are skipped), or choose another --output."
+        )
+    rows = read_input(args.input)
+    done = recover_output(args.output) if args.resume else set()
+    pending = [row for row in rows if row.id not in done]
+    num_skipped = len(rows) - len(pending)
+    stray = len(done - {row.id for row in rows})
+    if stray:
+        print(f"Note: {stray} id(s) in {args.output} are not in the input.", file=sys.stderr)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    if not pending:
+        args.output.touch()
+        print(f"Nothing to do: all {len(rows)} rows are already in {args.output}.")
+        return 0
+
+    llm = LLM(
+        args.model,
+        seed=args.seed,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_bytes=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        dtype=args.dtype,
+        device=args.device,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    with llm, open(args.output, "ab") as sink:
+        return _run(llm, args, pending, num_skipped, sink)
+
+
+def _run(
+    llm: LLM, args: argparse.Namespace, rows: list[InputRow], num_skipped: int, sink: BinaryIO
+) -> int:
+    base = llm.get_default_sampling_params()
+    if args.max_tokens is None and "max_new_tokens" not in llm.generation_config:
+        base.max_tokens = _DEFAULT_MAX_TOKENS
+    overrides = {name: getattr(args, name) for name in _SAMPLING_FLAGS}
+    fields = {**vars(base), **{k: v for k, v in overrides.items() if v is not None}}
+    fields["ignore_eos"] = args.ignore_eos or base.ignore_eos
+    # Validated here, once, before any row runs.
+    SamplingParams(**fields)
+
+    def write(record: dict[str, Any]) -> None:
+        sink.write((json.dumps(record, ensure_ascii=False) + "\n").encode())
+        sink.flush()
+        os.fsync(sink.fileno())
+
+    num_written = num_errors = prompt_tokens = completion_tokens = 0
+    started = time.perf_counter()
+    try:
+        runnable: list[InputRow] = []
+        prompts: list[str | dict[str, Any]] = []
+        for row in rows:
+            try:
+                prompts.append(
+                    row.prompt if row.messages is None else llm.render_chat(row.messages)
+                )
+            except Exception as error:  # a template error names the bad message
+                write({"id": row.id, "error": f"line {row.line}: cannot render messages: {error}"})
+                num_written += 1
+                num_errors += 1
+                continue
+            runnable.append(row)
+        params = [
+            SamplingParams(**{**fields, "seed": row_seed(args.seed, row.id)}) for row in runnable
+        ]
+        stream = llm.generate_stream(
+            prompts, params, use_tqdm=not args.no_progress, on_error="skip"
+        )
+        try:
+            for index, output in stream:
+                row = runnable[index]
+                if output.error is not None:
+                    reason = re.sub(r"^Request \d+: ", "", output.error)
+                    write({"id": row.id, "error": f"line {row.line}: {reason}"})
+                    num_errors += 1
+                else:
+                    record = _output_record(row.id, output)
+                    prompt_tokens += record["prompt_tokens"]
+                    completion_tokens += record["completion_tokens"]
+                    write(record)
+                num_written += 1
+        finally:
+            stream.close()
+    except KeyboardInterrupt:
+        print(
+            f"\nInterrupted after {num_written} rows; rerun with --resume to finish.",
+            file=sys.stderr,
+        )
+        return 130
+    seconds = time.perf_counter() - started
+    print(
+        f"Done: {num_written} rows written to {args.output} ({num_errors} errors), "
+        f"{num_skipped} skipped as already done; {prompt_tokens} prompt + {completion_tokens} "
+        f"completion tokens in {seconds:.1f} s ({completion_tokens / seconds:.1f} output tok/s)."
+    )
+    return 0
+
+
+def _output_record(row_id: str | int, output: RequestOutput) -> dict[str, Any]:
+    completions = [
+        {
+            "index": completion.index,
+            "text": completion.text,
+            "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason,
+            "completion_tokens": len(completion.token_ids),
+        }
+        for completion in output.outputs
+    ]
+    return {
+        "id": row_id,
+        "outputs": completions,
+        "prompt_tokens": len(output.prompt_token_ids),
+        "completion_tokens": sum(c["completion_tokens"] for c in completions),
+    }

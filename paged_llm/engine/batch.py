@@ -1,0 +1,104 @@
+"""The flat (varlen) batch of one step, built on the host with numpy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from paged_llm.layers.attention import AttentionBackend, AttentionMetadata
+
+
+@dataclass(slots=True)
+class HostBatch:
+    """Every scheduled token of every sequence, flattened without padding."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64: block * block_size + offset of each token
+    query_start_loc: np.ndarray  # [B + 1] int64
+    seq_lens: np.ndarray  # [B] int64: context length after this step
+    block_tables: np.ndarray  # [B, max_blocks] int32, zero-padded
+    logits_indices: np.ndarray  # rows whose logits are sampled
+    max_query_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+def build_host_batch(
+    token_ids: list[list[int]],
+    num_computed: list[int],
+    num_scheduled: list[int],
+    block_tables: list[list[int]],
+    samples: list[bool],
+    block_size: int,
+) -> HostBatch:
+    """Flat batch arrays for sequences with these tokens, computed counts, step sizes and
+    block tables. Per-token work is vectorized; only the gathering of each sequence's new
+    tokens and block table is a Python loop."""
+    num_seqs = len(token_ids)
+    step_ids: list[int] = []
+    for ids, start, count in zip(token_ids, num_computed, num_scheduled, strict=True):
+        step_ids.extend(ids[start : start + count])
+    computed = np.asarray(num_computed, dtype=np.int64)
+    scheduled = np.asarray(num_scheduled, dtype=np.int64)
+    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(scheduled, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    seq_index = np.repeat(np.arange(num_seqs), scheduled)
+    positions = np.arange(num_tokens) - query_start_loc[seq_index] + computed[seq_index]
+    max_blocks = max(len(table) for table in block_tables)
+    table_array = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+    for row, table in enumerate(block_tables):
+        table_array[row, : len(table)] = table
+    slot_mapping = (
+        table_array[seq_index, positions // block_size].astype(np.int64) * block_size
+        + positions % block_size
+    )
+    return HostBatch(
+        input_ids=np.asarray(step_ids, dtype=np.int64),
+        positions=positions,
+        slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc,
+        seq_lens=computed + scheduled,
+        block_tables=table_array,
+        logits_indices=(query_start_loc[1:] - 1)[np.asarray(samples, dtype=bool)],
+        max_query_len=int(scheduled.max()),
+    )
+
+
+def to_device(
+    array: np.ndarray, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Host array to device tensor; on CUDA through pinned memory, without blocking."""
+    tensor = torch.from_numpy(array)
+    if dtype is not None:
+        tensor = tensor.to(dtype)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
+
+
+def attention_metadata(
+    batch: HostBatch, block_size: int, backend: AttentionBackend, device: torch.device
+) -> AttentionMetadata:
+    metadata = AttentionMetadata(
+        slot_mapping=to_device(batch.slot_mapping, device),
+        query_start_loc=to_device(batch.query_start_loc, device, torch.int32),
+        seq_lens=to_device(batch.seq_lens, device, torch.int32),
+        block_tables=to_device(batch.block_tables, device),
+        query_start_loc_cpu=batch.query_start_loc.tolist(),
+        seq_lens_cpu=batch.seq_lens.tolist(),
+        max_query_len=batch.max_query_len,
+        max_seq_len=int(batch.seq_lens.max()),
+        block_size=block_size,
+    )
+    metadata.backend_data = backend.prepare(metadata)
+    return metadata
