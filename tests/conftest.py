@@ -17,7 +17,6 @@ from transformers import AutoTokenizer
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The embedded model's tokenizer is the "real tokenizer" of the tiny test models.
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Weights drawn with this standard deviation give diverse tokens and logits far from
@@ -72,13 +71,16 @@ def smollm2_gguf_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
 
 
+@pytest.fixture(autouse=True)
+def _skip_gpu_tests_without_cuda(request: pytest.FixtureRequest) -> None:
+    if request.node.get_closest_marker("gpu") and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+
+
 @pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    gguf = smollm2_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    path = tmp_path_factory.mktemp("tokenizer")
-    tokenizer.save_pretrained(path)
-    return path
+def tokenizer_dir() -> Path:
+    """SmolLM2's tokenizer (see tests/data/README.md)."""
+    return Path(__file__).parent / "data" / "smollm2_tokenizer"
 
 
 @pytest.fixture(scope="session")

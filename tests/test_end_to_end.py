@@ -63,7 +63,9 @@ def test_gguf_file_and_hub_id_give_the_same_model(llm: LLM) -> None:
         started = time.perf_counter()
         with LLM(source, max_model_len=256) as other:
             load_seconds = time.perf_counter() - started
-            assert other.chat(conversation, params, use_tqdm=False)[0].outputs[0].token_ids == expected
+            assert (
+                other.chat(conversation, params, use_tqdm=False)[0].outputs[0].token_ids == expected
+            )
         # The conversion is cached: loading from the GGUF again takes seconds, not a re-conversion.
         assert resolve_model(source).path == resolve_model(DEFAULT_MODEL).path
         assert load_seconds < 30

@@ -36,9 +36,3 @@ def assert_close() -> Callable[..., None]:
         torch.testing.assert_close(actual, expected, **_TOLERANCES[dtype or expected.dtype])
 
     return check
-
-
-@pytest.fixture(autouse=True)
-def _skip_gpu_tests_without_cuda(request: pytest.FixtureRequest) -> None:
-    if request.node.get_closest_marker("gpu") and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")

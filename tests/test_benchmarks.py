@@ -1,0 +1,119 @@
+"""Smoke runs of the benchmark scripts on a tiny random-weight model: they run end to end,
+every engine takes part, and the JSON has the keys and sane values the docs rely on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from benchmarks.engines import REPO_ROOT, worker_env
+
+pytestmark = pytest.mark.slow
+
+THREADS = 2
+
+
+def run_module(module: str, *args: str) -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", module, "--threads", str(THREADS), *args],
+        cwd=REPO_ROOT,
+        env=worker_env(THREADS),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+
+
+def test_throughput_runs_every_engine_kind(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "throughput.json"
+    # Workload b: chat-template prompts, which share the template's default system prompt
+    # (c's long one would not fit the tiny model's 512-token context).
+    run_module(
+        "benchmarks.throughput",
+        "--model", str(tiny_model_dir("llama")),
+        "--workload", "b",
+        "--num-requests", "4",
+        "--output-len", "4", "8",
+        "--engines", "paged_llm,hf_static2,hf_cb",
+        "--out", str(out),
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+
+    assert result["machine"]["torch_threads"] == THREADS
+    workload = result["workload"]
+    assert workload["num_requests"] == 4
+    assert 4 * 4 <= workload["num_output_tokens"] <= 4 * 8
+    engines = {e["label"]: e for e in result["engines"]}
+    assert set(engines) == {"paged_llm", "hf_static2", "hf_cb"}
+    for engine in engines.values():
+        assert engine["wall_seconds"] > 0
+        assert engine["output_tokens_per_s"] > 0
+        assert engine["total_tokens_per_s"] > engine["output_tokens_per_s"]
+        assert engine["peak_rss_mib"] > 0
+        assert engine["speed_vs_reference"] > 0
+        assert 0 <= engine["identical_to_reference"] <= 1
+        assert 0 <= engine["wasted_output_fraction"] < 1
+    assert engines["paged_llm"]["identical_to_reference"] == 1
+    assert engines["paged_llm"]["speed_vs_reference"] == 1
+    # Requests prefilled in the same step cannot hit each other's blocks, so 0 is possible.
+    assert engines["paged_llm"]["prefix_cache_hit_tokens"] >= 0
+
+    roofline = result["roofline"]
+    assert roofline["gflops"] > 0
+    assert all(g["gflops"] > 0 for g in roofline["gemms"])
+    (paged,) = roofline["engines"]
+    assert paged["computed_prompt_tokens"] == (
+        workload["num_prompt_tokens"] - engines["paged_llm"]["prefix_cache_hit_tokens"]
+    )
+    assert 0 < paged["fraction_of_roofline"] < 1
+
+
+def test_latency_sweep_on_a_random_weight_model(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    # --random-weights-config builds the model from a config; --model gives the tokenizer.
+    config = {
+        "model_type": "qwen3",
+        "vocab_size": 49152,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": True,
+    }
+    config_path = tmp_path / "tiny-qwen3.json"
+    config_path.write_text(json.dumps(config))
+    out = tmp_path / "latency.json"
+    run_module(
+        "benchmarks.latency",
+        "--model", str(tiny_model_dir("llama")),
+        "--random-weights-config", str(config_path),
+        "--input-len", "16",
+        "--output-len", "4",
+        "--concurrency", "1,4",
+        "--min-samples", "4",
+        "--out", str(out),
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+
+    assert result["settings"]["max_num_seqs"] == 4
+    levels = result["levels"]
+    assert [level["concurrency"] for level in levels] == [1, 4]
+    for level in levels:
+        assert level["num_requests"] == 4
+        assert level["output_tokens_per_s"] > 0
+        for metric in ("ttft", "itl"):
+            p50, p90, p99 = (level[f"{metric}_p{p}"] for p in (50, 90, 99))
+            assert 0 < p50 <= p90 <= p99

@@ -1,0 +1,82 @@
+"""Smoke tests: every example runs to the end in its small size.
+
+The quickstart runs on the real embedded model; the others point `--model` at the tiny
+random model, where only the plumbing is being checked."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO_ROOT / "examples"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir: Callable[[str], Path]) -> str:
+    return str(tiny_model_dir("llama"))
+
+
+def run_example(script: str, *args: str) -> str:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+        # NOTE: one thread: on a busy 2-core machine, OpenMP threads that wait on each other
+        # make every step many times slower, and these runs are too small to gain from two.
+        "OMP_NUM_THREADS": "1",
+    }
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, f"{script} failed:\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+def test_quickstart_on_the_embedded_model() -> None:
+    out = run_example("quickstart.py", "--num-prompts", "3", "--max-tokens", "8")
+    assert "Q: What is the capital of France?\nA: The capital of France is Paris." in out
+    assert re.search(r"for 3 prompts .* [\d.]+ output tokens/s\.", out)
+
+
+def test_chat_reuses_the_history_from_the_prefix_cache(model: str) -> None:
+    out = run_example("chat.py", "--model", model, "--max-model-len", "256", "--max-tokens", "8")
+    assert out.count("assistant> ") == 3
+    cached = [int(n) for n in re.findall(r"(\d+) of them from the prefix cache", out)]
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] > cached[1]
+
+
+def test_dataset_generation_kills_and_resumes(model: str, tmp_path: Path) -> None:
+    out = run_example(
+        "dataset_generation.py",
+        *("--model", model, "--num-rows", "12", "--max-tokens", "16"),
+        *("--max-model-len", "256", "--workdir", str(tmp_path)),
+    )
+    assert "holds all 12 ids, each exactly once" in out
+    assert (tmp_path / "completions.jsonl").read_text().count("\n") == 12
+
+
+def test_loglikelihood(model: str) -> None:
+    out = run_example("loglikelihood.py", "--model", model, "--num-questions", "3")
+    assert out.count(" -> ") == 3
+    assert re.search(r"Accuracy: \d/3", out)
+
+
+def test_prefix_caching(model: str) -> None:
+    out = run_example(
+        "prefix_caching.py",
+        *("--model", model, "--num-questions", "4", "--max-tokens", "2"),
+        *("--system-paragraphs", "2", "--max-model-len", "512", "--max-num-batched-tokens", "128"),
+    )
+    hit_rates = re.findall(r"enable_prefix_caching=(\w+)\s*:.* hit rate (\d+)%", out)
+    assert [enabled for enabled, _ in hit_rates] == ["True", "False"]
+    assert int(hit_rates[0][1]) > 50 and hit_rates[1][1] == "0"
