@@ -1,5 +1,6 @@
-"""Smoke runs of the benchmark scripts on a tiny random-weight model: they run end to end,
-every engine takes part, and the JSON has the keys and sane values the docs rely on."""
+"""The benchmarks' pure logic (seeded workloads, FLOP counts), and smoke runs of both
+scripts on a tiny random-weight model: they run end to end, every engine takes part, and
+the JSON has the keys and sane values the docs rely on."""
 
 from __future__ import annotations
 
@@ -10,12 +11,55 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import transformers
 
 from benchmarks.engines import REPO_ROOT, worker_env
+from benchmarks.roofline import MatmulParams, matmul_params, workload_flops
+from benchmarks.throughput import common_prefix_length
+from benchmarks.workloads import WorkloadSpec, build_workload
 
-pytestmark = pytest.mark.slow
+# NOTE: one thread: these runs check plumbing, not speed, and on a busy 2-core machine two
+# OpenMP threads that wait on each other make every step many times slower.
+THREADS = 1
 
-THREADS = 2
+
+@pytest.mark.parametrize("kind", ["a", "b", "c"])
+def test_workloads_are_seeded_and_within_their_ranges(
+    kind: str, tokenizer: transformers.PreTrainedTokenizerBase
+) -> None:
+    spec = WorkloadSpec(kind, num_requests=12, seed=3, min_output_len=5, max_output_len=9)
+    workload = build_workload(spec, tokenizer)
+    assert workload == build_workload(spec, tokenizer)
+    assert workload != build_workload(WorkloadSpec(kind, num_requests=12, seed=4), tokenizer)
+    assert len(workload.requests) == 12
+    assert all(5 <= r.max_tokens <= 9 for r in workload.requests)
+    lengths = [len(r.prompt_token_ids) for r in workload.requests]
+    if kind == "a":
+        assert all(32 <= n <= 256 for n in lengths)
+    elif kind == "b":
+        assert all(20 <= n <= 300 for n in lengths)
+        assert len({tuple(r.prompt_token_ids) for r in workload.requests}) == 12
+    else:
+        first = workload.requests[0].prompt_token_ids
+        shared = min(common_prefix_length(first, r.prompt_token_ids) for r in workload.requests[1:])
+        assert 400 <= shared <= 600
+
+
+def test_workload_flops_counts_each_computed_token_once() -> None:
+    params = MatmulParams(
+        body=10, lm_head=3, hidden_size=1, intermediate_size=1, qkv_size=1, vocab_size=1
+    )
+    # One request: 5 prompt tokens and 3 of the 4 output tokens go through the body, and
+    # the last prompt token plus 3 output tokens go through the LM head.
+    assert workload_flops(params, 5, 4, 1) == 2 * (10 * 8 + 3 * 4)
+
+
+def test_matmul_params_counts_linear_weights(tiny_model_dir: Callable[[str], Path]) -> None:
+    params = matmul_params(str(tiny_model_dir("llama")))
+    hidden, intermediate, head_dim = 64, 128, 16
+    attention = 2 * hidden * 4 * head_dim + 2 * hidden * 2 * head_dim  # q, o; k, v
+    assert params.body == 2 * (attention + 3 * hidden * intermediate)
+    assert params.lm_head == 49152 * hidden
 
 
 def run_module(module: str, *args: str) -> None:
@@ -31,6 +75,7 @@ def run_module(module: str, *args: str) -> None:
     assert completed.returncode == 0, completed.stdout + completed.stderr
 
 
+@pytest.mark.slow
 def test_throughput_runs_every_engine_kind(
     tiny_model_dir: Callable[[str], Path], tmp_path: Path
 ) -> None:
@@ -77,6 +122,7 @@ def test_throughput_runs_every_engine_kind(
     assert 0 < paged["fraction_of_roofline"] < 1
 
 
+@pytest.mark.slow
 def test_latency_sweep_on_a_random_weight_model(
     tiny_model_dir: Callable[[str], Path], tmp_path: Path
 ) -> None:

@@ -1,0 +1,442 @@
+"""The engines the throughput benchmark compares, and the worker that runs one of them.
+
+Each engine runs in a fresh subprocess (``python -m benchmarks.engines JOB RESULT``) so
+that its peak RSS is its own and no engine inherits another's warm caches or threads.
+
+Engines (names as on the command line):
+    paged_llm      paged_llm.LLM.generate, greedy, ignore_eos.
+    hf_static<N>   transformers ``generate`` with static batches of N requests in workload
+                   order, left padding; every row runs to the batch's longest output and
+                   only each request's own tokens count as useful output.
+    hf_cb          transformers continuous batching (``init_continuous_batching``, the
+                   engine behind ``generate_batch``) with its paged KV cache and SDPA.
+
+Every engine decodes greedily and ignores EOS: the EOS token may be generated and
+decoding goes on, so all engines produce exactly ``max_tokens`` tokens per request.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.workloads import BenchRequest, Workload, random_token_requests
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_ENGINES = ("paged_llm", "hf_static16", "hf_static64", "hf_cb")
+_HF_STATIC_RE = re.compile(r"hf_static(\d+)")
+
+# Warm-up requests use token ids from their own seed, so they share no prefix-cache block
+# with the workload (a shared first block would turn warm-up into a free prefix hit).
+_WARMUP_SEED = 987_654_321
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Settings every engine gets, so that they run the same model the same way."""
+
+    model_dir: str
+    dtype: str
+    device: str
+    threads: int
+    # Longest prompt + output in the workload; paged_llm and hf_cb size their KV cache
+    # to hold max_num_seqs sequences this long.
+    max_model_len: int
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class EngineRun:
+    """What one engine did with the whole workload."""
+
+    engine: str
+    wall_seconds: float
+    load_seconds: float
+    # Each request's useful tokens (exactly its max_tokens), in workload order.
+    output_token_ids: list[list[int]]
+    # Tokens the engine actually decoded, including static batching's padding rows.
+    computed_output_tokens: int
+    peak_rss_mib: float
+    peak_device_mib: float | None = None
+    prefix_cache_hit_tokens: int | None = None
+    num_preemptions: int | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine(ABC):
+    """A loaded model that generates greedy, EOS-ignoring completions of token prompts."""
+
+    name: str
+
+    @abstractmethod
+    def generate(self, requests: list[BenchRequest]) -> list[list[int]]:
+        """Exactly ``max_tokens`` new tokens for each request, in request order."""
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative engine counters; the worker reports their change over the timed run."""
+        return {}
+
+    def computed_output_tokens(self, requests: list[BenchRequest]) -> int:
+        """Tokens decoded for ``requests``, wasted ones included."""
+        return sum(r.max_tokens for r in requests)
+
+    def settings(self) -> dict[str, Any]:
+        """The engine's effective batching settings, for the report."""
+        return {}
+
+    def close(self) -> None:  # noqa: B027 - engines without resources to free skip it
+        """Free what the engine holds."""
+
+
+class PagedLLMEngine(Engine):
+    name = "paged_llm"
+
+    def __init__(self, options: EngineOptions) -> None:
+        from paged_llm import LLM
+
+        self.llm = LLM(
+            options.model_dir,
+            dtype=options.dtype,
+            device=options.device,
+            max_model_len=options.max_model_len,
+            max_num_seqs=options.max_num_seqs,
+            max_num_batched_tokens=options.max_num_batched_tokens,
+            enable_prefix_caching=options.enable_prefix_caching,
+        )
+
+    def generate(self, requests: list[BenchRequest]) -> list[list[int]]:
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": r.prompt_token_ids} for r in requests],
+            [greedy_params(r.max_tokens) for r in requests],
+            use_tqdm=False,
+        )
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    def counters(self) -> dict[str, int]:
+        metrics = self.llm.get_metrics()
+        return {
+            "prefix_cache_hit_tokens": metrics.prefix_cache_hit_tokens,
+            "num_preemptions": metrics.num_preemptions,
+        }
+
+    def settings(self) -> dict[str, Any]:
+        config = self.llm.config
+        return {
+            "max_num_seqs": config.max_num_seqs,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "max_model_len": config.max_model_len,
+            "enable_prefix_caching": config.enable_prefix_caching,
+        }
+
+    def close(self) -> None:
+        self.llm.shutdown()
+
+
+def greedy_params(max_tokens: int) -> Any:
+    """paged_llm's greedy, EOS-ignoring SamplingParams; no detokenization, since the
+    transformers engines return token ids only."""
+    from paged_llm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+
+
+def load_hf_model(options: EngineOptions, attn_implementation: str) -> Any:
+    """The transformers model with EOS switched off, in eval mode on the target device."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        options.model_dir,
+        dtype=getattr(torch, options.dtype),
+        attn_implementation=attn_implementation,
+    ).to(options.device)
+    # NOTE: generate() fills an unset eos_token_id from the model's generation_config, so
+    # EOS is only really ignored when it is cleared there. min_new_tokens is no substitute:
+    # it masks the EOS logit, which changes the greedy tokens compared with ignore_eos.
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def _pad_token_id(model: Any) -> int:
+    pad = model.config.pad_token_id
+    return 0 if pad is None else int(pad)
+
+
+class HFStaticEngine(Engine):
+    """transformers ``generate`` over consecutive fixed-size batches, left padded."""
+
+    def __init__(self, options: EngineOptions, batch_size: int) -> None:
+        self.name = f"hf_static{batch_size}"
+        self.batch_size = batch_size
+        self.device = options.device
+        self.model = load_hf_model(options, "sdpa")
+        self.pad_token_id = _pad_token_id(self.model)
+
+    def _batches(self, requests: list[BenchRequest]) -> list[list[BenchRequest]]:
+        return [
+            requests[start : start + self.batch_size]
+            for start in range(0, len(requests), self.batch_size)
+        ]
+
+    def generate(self, requests: list[BenchRequest]) -> list[list[int]]:
+        from transformers import GenerationConfig
+
+        results: list[list[int]] = []
+        for batch in self._batches(requests):
+            longest_prompt = max(len(r.prompt_token_ids) for r in batch)
+            input_ids = torch.full((len(batch), longest_prompt), self.pad_token_id)
+            attention_mask = torch.zeros((len(batch), longest_prompt), dtype=torch.long)
+            for row, request in enumerate(batch):
+                length = len(request.prompt_token_ids)
+                input_ids[row, longest_prompt - length :] = torch.tensor(request.prompt_token_ids)
+                attention_mask[row, longest_prompt - length :] = 1
+            # Static batching: the whole batch decodes until its longest request is done.
+            max_new_tokens = max(r.max_tokens for r in batch)
+            config = GenerationConfig(
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=None,
+                pad_token_id=self.pad_token_id,
+            )
+            with torch.inference_mode():
+                generated = self.model.generate(
+                    input_ids=input_ids.to(self.device),
+                    attention_mask=attention_mask.to(self.device),
+                    generation_config=config,
+                )
+            new_tokens = generated[:, longest_prompt:].tolist()
+            for row, request in enumerate(batch):
+                if len(new_tokens[row]) != max_new_tokens:
+                    raise RuntimeError(
+                        f"{self.name}: row {row} got {len(new_tokens[row])} tokens, expected "
+                        f"{max_new_tokens}; EOS was not ignored."
+                    )
+                results.append(new_tokens[row][: request.max_tokens])
+        return results
+
+    def computed_output_tokens(self, requests: list[BenchRequest]) -> int:
+        return sum(len(b) * max(r.max_tokens for r in b) for b in self._batches(requests))
+
+    def settings(self) -> dict[str, Any]:
+        return {"batch_size": self.batch_size, "attn_implementation": "sdpa"}
+
+
+class HFContinuousEngine(Engine):
+    """transformers continuous batching, driven through its manager.
+
+    ``generate_batch`` takes one ``max_new_tokens`` for all requests, but the manager it
+    wraps takes one per request (``add_request(..., max_new_tokens=...)``), so we use the
+    manager directly: same scheduler, same paged cache, per-request lengths.
+    """
+
+    name = "hf_cb"
+
+    def __init__(self, options: EngineOptions) -> None:
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        self.model = load_hf_model(options, "sdpa")
+        # The same batching limits as paged_llm's defaults (64 / 2048 on CPU, 256 / 8192 on
+        # GPU), and a cache that holds max_num_seqs sequences of max_model_len tokens, as
+        # paged_llm's does, instead of transformers' "share of free memory" sizing.
+        on_gpu = options.device == "cuda"
+        max_num_seqs = options.max_num_seqs or (256 if on_gpu else 64)
+        max_batch_tokens = options.max_num_batched_tokens or (8192 if on_gpu else 2048)
+        page_size = ContinuousBatchingConfig.page_size
+        num_blocks = max_num_seqs * math.ceil(options.max_model_len / page_size)
+        self.cb_config = ContinuousBatchingConfig(
+            num_blocks=num_blocks,
+            max_batch_tokens=max_batch_tokens,
+            max_requests_per_batch=max_num_seqs,
+            allow_block_sharing=options.enable_prefix_caching,
+        )
+        generation_config = GenerationConfig(
+            do_sample=False, eos_token_id=-1, pad_token_id=_pad_token_id(self.model)
+        )
+        self.manager = self.model.init_continuous_batching(
+            generation_config=generation_config, continuous_batching_config=self.cb_config
+        )
+        # Allocates the paged cache now (and captures CUDA graphs on a GPU), not inside
+        # the timed run.
+        self.manager.warmup()
+        self.manager.start()
+        self._num_submitted = 0
+
+    def generate(self, requests: list[BenchRequest]) -> list[list[int]]:
+        request_ids = []
+        for request in requests:
+            request_id = f"req-{self._num_submitted}"
+            self._num_submitted += 1
+            # eos_token_id=-1: no stop token; EOS may be generated and decoding goes on.
+            self.manager.add_request(
+                request.prompt_token_ids,
+                request_id=request_id,
+                max_new_tokens=request.max_tokens,
+                eos_token_id=-1,
+            )
+            request_ids.append(request_id)
+        finished: dict[str, Any] = {}
+        while len(finished) < len(request_ids):
+            result = self.manager.get_result(timeout=1)
+            if result is None:
+                if not self.manager.is_running():
+                    raise RuntimeError("hf_cb: the generation thread stopped before finishing.")
+                continue
+            if result.error is not None:
+                raise RuntimeError(f"hf_cb: request {result.request_id} failed: {result.error}")
+            if result.is_finished():
+                finished[result.request_id] = result
+        return [list(finished[request_id].generated_tokens) for request_id in request_ids]
+
+    def settings(self) -> dict[str, Any]:
+        config = self.cb_config
+        return {
+            "attn_implementation": self.model.config._attn_implementation,
+            "page_size": config.page_size,
+            "num_blocks": config.num_blocks,
+            "max_batch_tokens": config.max_batch_tokens,
+            "max_requests_per_batch": config.max_requests_per_batch,
+            "allow_block_sharing": config.allow_block_sharing,
+        }
+
+    def close(self) -> None:
+        self.manager.stop(block=True)
+        self.manager.destroy()
+
+
+def validate_engine_name(name: str) -> str:
+    if name in ("paged_llm", "hf_cb") or _HF_STATIC_RE.fullmatch(name):
+        return name
+    raise ValueError(
+        f"unknown engine {name!r}; expected paged_llm, hf_cb or hf_static<batch size> "
+        "(e.g. hf_static16; hf_static1 is transformers one prompt at a time)."
+    )
+
+
+def make_engine(name: str, options: EngineOptions) -> Engine:
+    if name == "paged_llm":
+        return PagedLLMEngine(options)
+    if name == "hf_cb":
+        return HFContinuousEngine(options)
+    match = _HF_STATIC_RE.fullmatch(validate_engine_name(name))
+    assert match is not None
+    return HFStaticEngine(options, int(match.group(1)))
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_engine(name: str, options: EngineOptions, workload: Workload) -> EngineRun:
+    """Load ``name``, warm it up, then time it on the whole workload (in this process)."""
+    torch.set_num_threads(options.threads)
+    load_started = time.perf_counter()
+    engine = make_engine(name, options)
+    load_seconds = time.perf_counter() - load_started
+    try:
+        # Warm-up: first-call costs (allocator growth, kernel selection, lazy init) stay
+        # out of the timed run. Its requests must fit max_model_len, which a tiny workload
+        # makes small.
+        warmup_input_len = max(1, min(32, options.max_model_len // 2))
+        warmup = random_token_requests(
+            num_requests=2,
+            input_len=warmup_input_len,
+            output_len=max(1, min(4, options.max_model_len - warmup_input_len)),
+            seed=_WARMUP_SEED,
+            vocab_limit=1000,
+        )
+        engine.generate(warmup)
+        if options.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        before = engine.counters()
+        _synchronize(options.device)
+        started = time.perf_counter()
+        token_ids = engine.generate(workload.requests)
+        _synchronize(options.device)
+        wall_seconds = time.perf_counter() - started
+        after = engine.counters()
+        settings = engine.settings()
+        computed = engine.computed_output_tokens(workload.requests)
+    finally:
+        engine.close()
+    for index, (tokens, request) in enumerate(zip(token_ids, workload.requests, strict=True)):
+        if len(tokens) != request.max_tokens:
+            raise RuntimeError(
+                f"{name}: request {index} got {len(tokens)} tokens, expected {request.max_tokens}."
+            )
+    delta = {key: after[key] - before[key] for key in after}
+    return EngineRun(
+        engine=name,
+        wall_seconds=wall_seconds,
+        load_seconds=load_seconds,
+        output_token_ids=token_ids,
+        computed_output_tokens=computed,
+        # ru_maxrss is in KiB on Linux.
+        peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        peak_device_mib=(
+            torch.cuda.max_memory_allocated() / 2**20 if options.device == "cuda" else None
+        ),
+        prefix_cache_hit_tokens=delta.get("prefix_cache_hit_tokens"),
+        num_preemptions=delta.get("num_preemptions"),
+        settings=settings,
+    )
+
+
+def worker_env(threads: int) -> dict[str, str]:
+    """The environment of a worker subprocess: this repository importable, the thread
+    count fixed for every thread pool (OpenMP's is per thread, and hf_cb decodes on a
+    background thread), and no network."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def run_engine_in_subprocess(
+    name: str, options: EngineOptions, workload: Workload, work_dir: Path
+) -> EngineRun:
+    """`run_engine` in a fresh Python process; its output goes to our stderr."""
+    job_path = work_dir / f"{name}-job.json"
+    result_path = work_dir / f"{name}-result.json"
+    job_path.write_text(
+        json.dumps({"engine": name, "options": asdict(options), "workload": workload.to_json()})
+    )
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.engines", str(job_path), str(result_path)],
+        cwd=REPO_ROOT,
+        env=worker_env(options.threads),
+        stdout=sys.stderr,
+        check=False,
+    )
+    if completed.returncode != 0:
+        raise RuntimeError(f"engine {name} failed (exit code {completed.returncode}); see above.")
+    return EngineRun(**json.loads(result_path.read_text()))
+
+
+def main(argv: list[str]) -> None:
+    job_path, result_path = argv
+    job = json.loads(Path(job_path).read_text())
+    run = run_engine(
+        job["engine"], EngineOptions(**job["options"]), Workload.from_json(job["workload"])
+    )
+    Path(result_path).write_text(json.dumps(asdict(run)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

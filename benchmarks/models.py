@@ -1,0 +1,82 @@
+"""Which model a benchmark runs: the embedded SmolLM2, a local directory, or a random-weight
+model built from a published config (``benchmarks/configs/*.json``).
+
+With EOS ignored, every engine generates the requested number of tokens whatever the
+weights are, so a random-weight model has the speed of the real one and needs no download.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
+
+
+def bundled_config_names() -> list[str]:
+    return sorted(path.stem for path in CONFIGS_DIR.glob("*.json"))
+
+
+def load_config_dict(source: str) -> dict:
+    """A config by bundled name ("qwen3-0.6b", "llama-3.2-1b") or path to a config.json."""
+    path = Path(source)
+    if not path.is_file():
+        path = CONFIGS_DIR / f"{source}.json"
+    if not path.is_file():
+        raise ValueError(
+            f"random-weights config {source!r} is neither a JSON file nor one of the bundled "
+            f"configs {bundled_config_names()}."
+        )
+    return json.loads(path.read_text())
+
+
+def build_random_weight_model(
+    config_source: str, tokenizer_dir: Path, dtype: torch.dtype, out_dir: Path
+) -> Path:
+    """Save a model with the architecture of ``config_source`` and seeded random weights in
+    ``out_dir``, with the tokenizer (and chat template) of ``tokenizer_dir``.
+
+    The tokenizer's ids must fit the config's vocabulary; SmolLM2's 49,152 ids fit in every
+    bundled config.
+    """
+    config_dict = load_config_dict(config_source)
+    config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if len(tokenizer) > config.vocab_size:
+        raise ValueError(
+            f"the tokenizer of {tokenizer_dir} has {len(tokenizer)} tokens, more than the "
+            f"config's vocab_size={config.vocab_size}."
+        )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def resolve_benchmark_model(
+    model: str | None, random_weights_config: str | None, dtype: torch.dtype, work_dir: Path
+) -> Path:
+    """The local model directory to benchmark.
+
+    Args:
+        model: A model directory, .gguf file or hub id (anything `paged_llm` resolves);
+            None means the embedded SmolLM2-135M-Instruct. With ``random_weights_config``
+            it only supplies the tokenizer.
+        random_weights_config: Build a random-weight model from this config instead.
+        dtype: Dtype the random weights are saved in.
+        work_dir: Where a random-weight model is saved.
+    """
+    from paged_llm.model_files import DEFAULT_MODEL, resolve_model
+
+    model_dir = resolve_model(model or DEFAULT_MODEL).path
+    if random_weights_config is None:
+        return model_dir
+    name = Path(random_weights_config).stem
+    return build_random_weight_model(
+        random_weights_config, model_dir, dtype, work_dir / f"random-{name}"
+    )

@@ -1,0 +1,436 @@
+"""Offline throughput: paged_llm against transformers on one seeded workload.
+
+Every engine runs in its own fresh subprocess on the same requests, dtype and thread count,
+greedy with EOS ignored, and is timed after a warm-up. The table reports wall time, output
+and total (prompt + output) tokens per second, peak RSS, each engine's speed relative to
+paged_llm and how many of its requests produced exactly paged_llm's tokens. The run also
+measures the machine's matmul roofline and paged_llm's share of it.
+
+Run from the repository root:
+    python -m benchmarks.throughput --workload a
+    python -m benchmarks.throughput --workload c --compare-prefix-caching
+    python -m benchmarks.throughput --device cuda --random-weights-config qwen3-0.6b
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from benchmarks.engines import (
+    DEFAULT_ENGINES,
+    EngineOptions,
+    EngineRun,
+    run_engine_in_subprocess,
+    validate_engine_name,
+)
+from benchmarks.models import bundled_config_names, resolve_benchmark_model
+from benchmarks.report import format_table, machine_info, write_json
+from benchmarks.roofline import MatmulParams, matmul_params, measure_roofline, workload_flops
+from benchmarks.workloads import WORKLOAD_KINDS, Workload, WorkloadSpec, build_workload
+
+REFERENCE_ENGINE = "paged_llm"
+NO_PREFIX_CACHE_LABEL = "paged_llm (no prefix cache)"
+
+
+@dataclass
+class EngineSummary:
+    """One table row: an engine's run measured against the workload and the reference."""
+
+    label: str
+    engine: str
+    wall_seconds: float
+    output_tokens_per_s: float
+    total_tokens_per_s: float
+    peak_rss_mib: float
+    peak_device_mib: float | None
+    load_seconds: float
+    # Output tok/s of this engine divided by paged_llm's.
+    speed_vs_reference: float | None
+    # Share of requests whose tokens equal paged_llm's exactly.
+    identical_to_reference: float | None
+    # Mean over requests of (tokens equal to paged_llm's before the first difference) /
+    # max_tokens: 1.0 when identical; near 1 when only late tokens drift.
+    mean_common_prefix: float | None
+    computed_output_tokens: int
+    # Share of decoded tokens nobody asked for (static batching's padding rows).
+    wasted_output_fraction: float
+    prefix_cache_hit_tokens: int | None
+    num_preemptions: int | None
+    settings: dict[str, Any]
+
+
+@dataclass
+class RooflineSummary:
+    """paged_llm's weight-matmul FLOP rate against the machine's best matmul rate."""
+
+    label: str
+    prompt_tokens: int
+    prefix_cache_hit_tokens: int
+    computed_prompt_tokens: int
+    output_tokens: int
+    flops: float
+    achieved_gflops: float
+    roofline_gflops: float
+    fraction_of_roofline: float
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--workload",
+        choices=WORKLOAD_KINDS,
+        default="a",
+        help="a: random tokens (nano-vllm); b: chat prompts; c: chat prompts "
+        "behind one long shared system prompt",
+    )
+    parser.add_argument(
+        "--engines",
+        default=",".join(DEFAULT_ENGINES),
+        help="comma-separated: paged_llm, hf_cb, hf_static<N> (batch size N; "
+        "hf_static1 is one prompt at a time)",
+    )
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument(
+        "--input-len",
+        type=int,
+        nargs=2,
+        default=(32, 256),
+        metavar=("MIN", "MAX"),
+        help="prompt lengths of workload a",
+    )
+    parser.add_argument(
+        "--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX")
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model directory, .gguf or hub id (default: the embedded "
+        "SmolLM2-135M-Instruct); with --random-weights-config, the tokenizer",
+    )
+    parser.add_argument(
+        "--random-weights-config",
+        default=None,
+        help=f"build a random-weight model from a config.json path or a bundled "
+        f"config: {', '.join(bundled_config_names())}",
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="default: float32 on cpu, bfloat16 on cuda",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads in every engine (default: torch's default here)",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="paged_llm max_num_seqs, and hf_cb max_requests_per_batch",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="paged_llm max_num_batched_tokens, and hf_cb max_batch_tokens",
+    )
+    parser.add_argument(
+        "--no-prefix-caching", action="store_true", help="disable paged_llm's prefix cache"
+    )
+    parser.add_argument(
+        "--compare-prefix-caching",
+        action="store_true",
+        help="run paged_llm with and without prefix caching (only) and print "
+        "the speedup; meant for --workload c",
+    )
+    parser.add_argument(
+        "--skip-roofline", action="store_true", help="do not measure matmul GFLOP/s"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="write JSON results here")
+    args = parser.parse_args(argv)
+    try:
+        args.engines = [
+            validate_engine_name(e.strip()) for e in args.engines.split(",") if e.strip()
+        ]
+    except ValueError as error:
+        parser.error(str(error))
+    if args.compare_prefix_caching:
+        args.engines = [REFERENCE_ENGINE]
+    if not args.engines:
+        parser.error("--engines is empty")
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    if args.threads is None:
+        args.threads = torch.get_num_threads()
+    return args
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    for index, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return index
+    return min(len(a), len(b))
+
+
+def summarize(
+    label: str, run: EngineRun, workload: Workload, reference: EngineRun | None
+) -> EngineSummary:
+    useful_output = workload.num_output_tokens
+    identical = mean_prefix = speed = None
+    if reference is not None:
+        pairs = list(zip(run.output_token_ids, reference.output_token_ids, strict=True))
+        identical = sum(a == b for a, b in pairs) / len(pairs)
+        mean_prefix = sum(
+            common_prefix_length(a, b) / r.max_tokens
+            for (a, b), r in zip(pairs, workload.requests, strict=True)
+        ) / len(pairs)
+        speed = reference.wall_seconds / run.wall_seconds
+    return EngineSummary(
+        label=label,
+        engine=run.engine,
+        wall_seconds=run.wall_seconds,
+        output_tokens_per_s=useful_output / run.wall_seconds,
+        total_tokens_per_s=(workload.num_prompt_tokens + useful_output) / run.wall_seconds,
+        peak_rss_mib=run.peak_rss_mib,
+        peak_device_mib=run.peak_device_mib,
+        load_seconds=run.load_seconds,
+        speed_vs_reference=speed,
+        identical_to_reference=identical,
+        mean_common_prefix=mean_prefix,
+        computed_output_tokens=run.computed_output_tokens,
+        wasted_output_fraction=1 - useful_output / run.computed_output_tokens,
+        prefix_cache_hit_tokens=run.prefix_cache_hit_tokens,
+        num_preemptions=run.num_preemptions,
+        settings=run.settings,
+    )
+
+
+def roofline_summary(
+    label: str, run: EngineRun, workload: Workload, params: MatmulParams, roofline_gflops: float
+) -> RooflineSummary:
+    # Prefix-cache hits are prompt tokens paged_llm did not compute.
+    hits = run.prefix_cache_hit_tokens or 0
+    computed_prompt = workload.num_prompt_tokens - hits
+    flops = workload_flops(
+        params, computed_prompt, workload.num_output_tokens, len(workload.requests)
+    )
+    achieved = flops / run.wall_seconds / 1e9
+    return RooflineSummary(
+        label=label,
+        prompt_tokens=workload.num_prompt_tokens,
+        prefix_cache_hit_tokens=hits,
+        computed_prompt_tokens=computed_prompt,
+        output_tokens=workload.num_output_tokens,
+        flops=flops,
+        achieved_gflops=achieved,
+        roofline_gflops=roofline_gflops,
+        fraction_of_roofline=achieved / roofline_gflops,
+    )
+
+
+def print_report(
+    args: argparse.Namespace,
+    machine: dict[str, Any],
+    workload: Workload,
+    summaries: list[EngineSummary],
+    rooflines: list[RooflineSummary],
+    roofline_gflops: float | None,
+    params: MatmulParams,
+) -> None:
+    prompt_lengths = [len(r.prompt_token_ids) for r in workload.requests]
+    output_lengths = [r.max_tokens for r in workload.requests]
+    print(
+        f"Machine: {machine['cpu']} ({machine['cpu_count']} CPUs)"
+        + (f", GPU {machine['gpu']}" if "gpu" in machine else "")
+        + f"; torch {machine['torch']}, transformers {machine['transformers']}, "
+        f"torch threads {args.threads}; device {args.device}, dtype {args.dtype}"
+    )
+    print(
+        f"Workload {workload.spec.kind}: {len(workload.requests)} requests, "
+        f"{workload.num_prompt_tokens} prompt tokens (each {min(prompt_lengths)}-"
+        f"{max(prompt_lengths)}), {workload.num_output_tokens} output tokens (each "
+        f"{min(output_lengths)}-{max(output_lengths)}); greedy, EOS ignored, seed {workload.spec.seed}"
+    )
+    print(
+        f"Model: {params.body / 1e6:.1f}M body matmul weights + {params.lm_head / 1e6:.1f}M LM head\n"
+    )
+    headers = ["engine", "wall s", "out tok/s", "total tok/s", "peak RSS MiB"]
+    if args.device == "cuda":
+        headers.append("peak GPU MiB")
+    headers += ["x paged_llm", "same tokens", "decoded waste"]
+    rows = []
+    for s in summaries:
+        row: list[Any] = [
+            s.label,
+            s.wall_seconds,
+            s.output_tokens_per_s,
+            s.total_tokens_per_s,
+            s.peak_rss_mib,
+        ]
+        if args.device == "cuda":
+            row.append(s.peak_device_mib)
+        row += [
+            s.speed_vs_reference,
+            None if s.identical_to_reference is None else f"{100 * s.identical_to_reference:.0f}%",
+            f"{100 * s.wasted_output_fraction:.0f}%",
+        ]
+        rows.append(row)
+    print(format_table(headers, rows))
+    print(
+        "\nout tok/s counts each request's own requested tokens. hf_static<N> decodes every "
+        "row of a batch to the batch's longest output ('decoded waste' is the share of its "
+        "decoded tokens nobody asked for). 'same tokens': requests whose tokens equal "
+        "paged_llm's exactly."
+    )
+    for s in summaries:
+        if s.prefix_cache_hit_tokens:
+            print(
+                f"{s.label}: {s.prefix_cache_hit_tokens} prompt tokens served from the prefix "
+                f"cache ({100 * s.prefix_cache_hit_tokens / workload.num_prompt_tokens:.0f}% of "
+                f"prompt tokens); {s.num_preemptions} preemptions."
+            )
+    if roofline_gflops is not None:
+        print(
+            f"\nMatmul roofline: {roofline_gflops:,.1f} GFLOP/s ({args.dtype}, best GEMM measured)."
+        )
+        for r in rooflines:
+            print(
+                f"{r.label}: {r.flops / 1e9:,.1f} GFLOP of weight matmuls "
+                f"({r.computed_prompt_tokens} prompt tokens computed = {r.prompt_tokens} - "
+                f"{r.prefix_cache_hit_tokens} prefix-cache hits; {r.output_tokens} output "
+                f"tokens) -> {r.achieved_gflops:,.1f} GFLOP/s = "
+                f"{100 * r.fraction_of_roofline:.1f}% of the roofline. Attention FLOPs are "
+                "excluded."
+            )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    machine = machine_info(args.device, args.threads)
+    with tempfile.TemporaryDirectory(prefix="paged_llm_bench_") as tmp:
+        work_dir = Path(tmp)
+        model_dir = resolve_benchmark_model(args.model, args.random_weights_config, dtype, work_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        spec = WorkloadSpec(
+            kind=args.workload,
+            num_requests=args.num_requests,
+            seed=args.seed,
+            min_input_len=args.input_len[0],
+            max_input_len=args.input_len[1],
+            min_output_len=args.output_len[0],
+            max_output_len=args.output_len[1],
+        )
+        workload = build_workload(spec, tokenizer)
+        context = AutoConfig.from_pretrained(model_dir).get_text_config().max_position_embeddings
+        if workload.max_seq_len > context:
+            raise SystemExit(
+                f"workload {spec.kind} has a request of {workload.max_seq_len} tokens (prompt + "
+                f"output), more than the model's max_position_embeddings={context}; lower "
+                "--output-len or --input-len, or use another workload."
+            )
+        params = matmul_params(str(model_dir))
+        # Measured before the engines, in this process, while nothing else of ours runs.
+        roofline_gflops, gemms = (
+            (None, []) if args.skip_roofline else measure_roofline(params, dtype, args.device)
+        )
+        options = EngineOptions(
+            model_dir=str(model_dir),
+            dtype=args.dtype,
+            device=args.device,
+            threads=args.threads,
+            max_model_len=workload.max_seq_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=not args.no_prefix_caching,
+        )
+        jobs: list[tuple[str, str, EngineOptions]] = [
+            (name, name, options) for name in args.engines
+        ]
+        if args.compare_prefix_caching:
+            jobs = [
+                (REFERENCE_ENGINE, REFERENCE_ENGINE, replace(options, enable_prefix_caching=True)),
+                (
+                    NO_PREFIX_CACHE_LABEL,
+                    REFERENCE_ENGINE,
+                    replace(options, enable_prefix_caching=False),
+                ),
+            ]
+        runs: list[tuple[str, EngineRun]] = []
+        for label, name, engine_options in jobs:
+            runs.append((label, run_engine_in_subprocess(name, engine_options, workload, work_dir)))
+
+    reference = next((run for label, run in runs if label == REFERENCE_ENGINE), None)
+    summaries = [summarize(label, run, workload, reference) for label, run in runs]
+    rooflines = (
+        [
+            roofline_summary(label, run, workload, params, roofline_gflops)
+            for label, run in runs
+            if run.engine == REFERENCE_ENGINE
+        ]
+        if roofline_gflops is not None
+        else []
+    )
+    print_report(args, machine, workload, summaries, rooflines, roofline_gflops, params)
+    comparison = None
+    if args.compare_prefix_caching:
+        on, off = runs[0][1], runs[1][1]
+        comparison = {
+            "speedup": off.wall_seconds / on.wall_seconds,
+            "wall_seconds_with_cache": on.wall_seconds,
+            "wall_seconds_without_cache": off.wall_seconds,
+            "prefix_cache_hit_tokens": on.prefix_cache_hit_tokens,
+        }
+        print(
+            f"\nPrefix caching: {comparison['speedup']:.2f}x faster with the cache "
+            f"({on.wall_seconds:.2f} s vs {off.wall_seconds:.2f} s)."
+        )
+    result = {
+        "benchmark": "throughput",
+        "machine": machine,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "model": {
+            "dir": str(model_dir)
+            if args.random_weights_config is None
+            else args.random_weights_config,
+            **asdict(params),
+        },
+        "workload": {
+            **asdict(workload.spec),
+            "num_prompt_tokens": workload.num_prompt_tokens,
+            "num_output_tokens": workload.num_output_tokens,
+            "max_seq_len": workload.max_seq_len,
+        },
+        "roofline": None
+        if roofline_gflops is None
+        else {
+            "gflops": roofline_gflops,
+            "gemms": [{**asdict(g), "gflops": g.gflops} for g in gemms],
+            "engines": [asdict(r) for r in rooflines],
+            "note": "weight-matmul FLOPs only; attention FLOPs excluded",
+        },
+        "engines": [asdict(s) for s in summaries],
+        "prefix_caching_comparison": comparison,
+    }
+    if args.out is not None:
+        write_json(args.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
