@@ -20,6 +20,7 @@ from paged_llm.engine.sampling_metadata import build_sampling_metadata
 from paged_llm.engine.scheduler import ScheduledBatch
 from paged_llm.engine.sequence import RawLogprobs, Sequence
 from paged_llm.layers.attention import Attention, TritonAttentionBackend, get_attention_backend
+from paged_llm.layers.linear import prepack_for_cpu
 from paged_llm.layers.sampler import LogprobsTensors, Sampler, compute_logprobs
 from paged_llm.loader import load_weights
 from paged_llm.models import get_model_class
@@ -39,6 +40,8 @@ def load_model(config: EngineConfig) -> nn.Module:
     model = model.to(dtype=config.dtype).to_empty(device=config.device)
     model.tie_weights()
     load_weights(model, config.model_dir)
+    if config.device.type == "cpu" and config.dtype in (torch.float32, torch.bfloat16):
+        prepack_for_cpu(model)
     return model.eval()
 
 

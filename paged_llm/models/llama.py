@@ -14,7 +14,7 @@ from torch import nn
 from paged_llm.layers.activation import SiluAndMul
 from paged_llm.layers.attention import Attention, AttentionMetadata
 from paged_llm.layers.layernorm import RMSNorm
-from paged_llm.layers.linear import PackedLinear
+from paged_llm.layers.linear import Linear, PackedLinear
 from paged_llm.layers.rotary import RotaryEmbedding, rope_parameters
 
 
@@ -54,7 +54,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = PackedLinear(
             config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.rotary = rotary
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -87,7 +87,7 @@ class LlamaMLP(nn.Module):
         bias = getattr(config, "mlp_bias", False)
         size = config.intermediate_size
         self.gate_up_proj = PackedLinear(config.hidden_size, [size, size], bias=bias)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
+        self.down_proj = Linear(size, config.hidden_size, bias=bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -150,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
