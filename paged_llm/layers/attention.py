@@ -112,11 +112,38 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
+    def __init__(self) -> None:
+        # NOTE: gathers land in this reused buffer: a fresh tensor of tens of megabytes per
+        # layer would be mmap'd and page-faulted in every time (4x slower, measured).
+        self._workspace = torch.empty(0)
+
     @staticmethod
     def kv_cache_shape(
         num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
     ) -> tuple[int, ...]:
         return (num_kv_heads, num_blocks, block_size, head_dim)
+
+    def _gather(
+        self, key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the given blocks, ``[Hkv, *block_ids.shape[:-1], tokens, D]``."""
+        num_kv_heads, num_blocks, block_size, head_dim = key_cache.shape
+        # Rows of the cache seen as [Hkv * num_blocks, block_size * D]: one row per block.
+        heads = torch.arange(num_kv_heads, device=block_ids.device) * num_blocks
+        rows = (heads[:, None] + block_ids.reshape(1, -1)).reshape(-1)
+        row_size = block_size * head_dim
+        needed = 2 * rows.numel() * row_size
+        if self._workspace.numel() < needed or self._workspace.dtype != key_cache.dtype:
+            self._workspace = key_cache.new_empty(needed)
+        shape = (num_kv_heads, *block_ids.shape[:-1], block_ids.shape[-1] * block_size, head_dim)
+        gathered = []
+        for part, cache in zip(
+            self._workspace[:needed].chunk(2), (key_cache, value_cache), strict=True
+        ):
+            out = part.view(rows.numel(), row_size)
+            torch.index_select(cache.view(-1, row_size), 0, rows, out=out)
+            gathered.append(out.view(shape))
+        return gathered[0], gathered[1]
 
     def prepare(self, metadata: AttentionMetadata) -> _TorchStepData:
         qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
@@ -178,45 +205,36 @@ class TorchAttentionBackend(AttentionBackend):
         data: _TorchStepData = metadata.backend_data
         out = torch.empty_like(query)
         for seq in data.prefills:
+            seq_query = query[seq.query_slice]
+            if seq.block_ids is None:
+                context = (
+                    key[seq.query_slice].transpose(0, 1),
+                    value[seq.query_slice].transpose(0, 1),
+                )
+            else:
+                keys, values = self._gather(key_cache, value_cache, seq.block_ids)
+                context = keys[:, : seq.seq_len], values[:, : seq.seq_len]
             out[seq.query_slice] = _prefill_attention(
-                query[seq.query_slice],
-                key[seq.query_slice],
-                value[seq.query_slice],
-                key_cache,
-                value_cache,
-                seq,
-                scale,
-                sliding_window,
+                seq_query, *context, seq, scale, sliding_window
             )
         for group in data.decode_groups:
+            keys, values = self._gather(key_cache, value_cache, group.block_tables)
             out[group.token_idx] = _decode_attention(
-                query[group.token_idx], key_cache, value_cache, group, scale, sliding_window
+                query[group.token_idx], keys, values, group, scale, sliding_window
             )
         return out
 
 
-def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """``[Hkv, ..., num_blocks * block_size, D]``: the tokens of the given blocks, in order."""
-    gathered = cache[:, block_ids]
-    return gathered.reshape(*gathered.shape[:-3], -1, gathered.shape[-1])
-
-
 def _prefill_attention(
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
     seq: _PrefillSeq,
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
+    """query ``[q, H, D]`` against the sequence's keys/values ``[Hkv, seq_len, D]``."""
     query_len = query.shape[0]
-    if seq.block_ids is None:
-        key, value = key.transpose(0, 1), value.transpose(0, 1)
-    else:
-        key = _gather_context(key_cache, seq.block_ids)[:, : seq.seq_len]
-        value = _gather_context(value_cache, seq.block_ids)[:, : seq.seq_len]
     mask = None
     if seq.block_ids is not None or sliding_window is not None:
         q_pos = torch.arange(seq.seq_len - query_len, seq.seq_len, device=query.device)
@@ -227,8 +245,8 @@ def _prefill_attention(
             mask &= distance < sliding_window
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1),
-        key,
-        value,
+        keys,
+        values,
         attn_mask=mask,
         is_causal=mask is None,
         scale=scale,
@@ -239,16 +257,15 @@ def _prefill_attention(
 
 def _decode_attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
     group: _DecodeGroup,
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
+    """One query token per sequence against its padded context ``[Hkv, B, L, D]``."""
     num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[0]
-    keys = _gather_context(key_cache, group.block_tables)  # [Hkv, B, L, D]
-    values = _gather_context(value_cache, group.block_tables)
+    num_kv_heads = keys.shape[0]
     q = query.view(num_seqs, num_kv_heads, -1, head_dim).transpose(0, 1)  # [Hkv, B, G, D]
     scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)  # [Hkv, B, G, L]
     valid = group.valid
