@@ -243,16 +243,18 @@ def _prefill_attention(
         mask = distance >= 0
         if sliding_window is not None:
             mask &= distance < sliding_window
+    # NOTE: 4-D inputs: with 3-D ones, torch's CPU SDPA takes its unfused math path
+    # (measured 2.5-4.5x slower for 256-1024 tokens).
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 1),
-        keys,
-        values,
+        query.transpose(0, 1)[None],
+        keys[None],
+        values[None],
         attn_mask=mask,
         is_causal=mask is None,
         scale=scale,
         enable_gqa=True,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def _decode_attention(

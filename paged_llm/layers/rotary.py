@@ -79,6 +79,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.cos_sin_cache = compute_cos_sin_cache(head_dim, max_position, params, device)
+        self._positions: torch.Tensor | None = None
+        self._cos = self._sin = torch.empty(0)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
@@ -90,10 +92,19 @@ class RotaryEmbedding(nn.Module):
         if query.is_cuda:
             triton_kernels().apply_rotary(query, key, positions, self.cos_sin_cache)
             return query, key
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+        # Every layer of a step rotates by the same positions: look them up once.
+        if positions is not self._positions:
+            self._positions = positions
+            self._cos, self._sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+        return _rotate(query, self._cos, self._sin), _rotate(key, self._cos, self._sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``[x1 cos - x2 sin, x2 cos + x1 sin]``, each product rounded as transformers rounds
+    it, with two temporaries instead of six."""
     x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    out1, out2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=out1).sub_(x2 * sin)
+    torch.mul(x2, cos, out=out2).add_(x1 * sin)
+    return out.to(x.dtype)
