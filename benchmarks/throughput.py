@@ -32,7 +32,14 @@ from benchmarks.engines import (
 )
 from benchmarks.models import bundled_config_names, resolve_benchmark_model
 from benchmarks.report import format_table, machine_info, write_json
-from benchmarks.roofline import MatmulParams, matmul_params, measure_roofline, workload_flops
+from benchmarks.roofline import (
+    GemmResult,
+    MatmulParams,
+    best_by_library,
+    matmul_params,
+    measure_roofline,
+    workload_flops,
+)
 from benchmarks.workloads import WORKLOAD_KINDS, Workload, WorkloadSpec, build_workload
 
 REFERENCE_ENGINE = "paged_llm"
@@ -249,6 +256,7 @@ def print_report(
     summaries: list[EngineSummary],
     rooflines: list[RooflineSummary],
     roofline_gflops: float | None,
+    gemms: list[GemmResult],
     params: MatmulParams,
 ) -> None:
     prompt_lengths = [len(r.prompt_token_ids) for r in workload.requests]
@@ -304,8 +312,12 @@ def print_report(
                 f"prompt tokens); {s.num_preemptions} preemptions."
             )
     if roofline_gflops is not None:
+        by_library = ", ".join(
+            f"{name} {value:,.1f}" for name, value in best_by_library(gemms).items()
+        )
         print(
-            f"\nMatmul roofline: {roofline_gflops:,.1f} GFLOP/s ({args.dtype}, best GEMM measured)."
+            f"\nMatmul roofline: {roofline_gflops:,.1f} GFLOP/s ({args.dtype}, best GEMM measured; "
+            f"best per library: {by_library})."
         )
         for r in rooflines:
             print(
@@ -386,7 +398,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if roofline_gflops is not None
         else []
     )
-    print_report(args, machine, workload, summaries, rooflines, roofline_gflops, params)
+    print_report(args, machine, workload, summaries, rooflines, roofline_gflops, gemms, params)
     comparison = None
     if args.compare_prefix_caching:
         on, off = runs[0][1], runs[1][1]
@@ -420,6 +432,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if roofline_gflops is None
         else {
             "gflops": roofline_gflops,
+            "gflops_by_library": best_by_library(gemms),
             "gemms": [{**asdict(g), "gflops": g.gflops} for g in gemms],
             "engines": [asdict(r) for r in rooflines],
             "note": "weight-matmul FLOPs only; attention FLOPs excluded",
