@@ -95,16 +95,18 @@ class RotaryEmbedding(nn.Module):
         # Every layer of a step rotates by the same positions: look them up once.
         if positions is not self._positions:
             self._positions = positions
-            self._cos, self._sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+            cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+            # transformers rounds cos/sin to the activations' dtype and rotates in it.
+            self._cos, self._sin = cos.to(query.dtype), sin.to(query.dtype)
         return _rotate(query, self._cos, self._sin), _rotate(key, self._cos, self._sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``[x1 cos - x2 sin, x2 cos + x1 sin]``, each product rounded as transformers rounds
     it, with two temporaries instead of six."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    x1, x2 = x.chunk(2, dim=-1)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
     out1, out2 = out.chunk(2, dim=-1)
     torch.mul(x1, cos, out=out1).sub_(x2 * sin)
     torch.mul(x2, cos, out=out2).add_(x1 * sin)
-    return out.to(x.dtype)
+    return out
