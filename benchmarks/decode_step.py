@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "results": [{**asdict(r), "fraction_of_roofline": r.fraction_of_roofline} for r in results],
     }
     if args.out:
-        write_json(args.out, report)
+        write_json(Path(args.out), report)
     return report
 
 

@@ -32,9 +32,11 @@ class PreparedRequest:
     """A prompt after tokenization and validation; ``error`` says why it cannot run."""
 
     index: int
+    request_id: str
     prompt: str | None
     token_ids: list[int]
     params: SamplingParams
+    bad_words_token_ids: list[list[int]] | None = None
     error: str | None = None
 
 
@@ -44,13 +46,11 @@ class GenerationStream:
 
     def __init__(
         self,
-        llm: LLM,
         engine: LLMEngine,
         requests: list[PreparedRequest],
         use_tqdm: bool | Callable[..., tqdm],
     ) -> None:
         self.num_requests = len(requests)
-        self._llm = llm
         self._engine = engine
         self._requests = requests
         self._use_tqdm = use_tqdm
@@ -68,6 +68,11 @@ class GenerationStream:
 
     def _run(self) -> Iterator[tuple[int, RequestOutput]]:
         engine = self._engine
+        if engine.has_unfinished():
+            raise RuntimeError(
+                "Another generation is still running on this LLM (an unfinished "
+                "generate_stream); finish iterating it or close() it first."
+            )
         progress = _progress_bar(
             self._use_tqdm, total=sum(1 if r.error else r.params.n for r in self._requests)
         )
@@ -81,14 +86,13 @@ class GenerationStream:
                     progress.update(1)
                     yield request.index, _error_output(request)
                     continue
-                request_id = self._llm._next_request_id()
-                order[request_id] = request.index
+                order[request.request_id] = request.index
                 engine.add_request(
-                    request_id,
+                    request.request_id,
                     request.prompt,
                     request.token_ids,
                     request.params,
-                    self._llm._bad_words_token_ids(request.params),
+                    request.bad_words_token_ids,
                 )
             while engine.has_unfinished():
                 for output in engine.step():
@@ -118,7 +122,7 @@ def _progress_bar(use_tqdm: bool | Callable[..., tqdm], total: int) -> tqdm:
 
 def _error_output(request: PreparedRequest) -> RequestOutput:
     return RequestOutput(
-        request_id=f"rejected-{request.index}",
+        request_id=request.request_id,
         prompt=request.prompt,
         prompt_token_ids=request.token_ids,
         outputs=[],
@@ -219,9 +223,6 @@ class LLM:
         self.engine: LLMEngine | None = LLMEngine(self.config, self.tokenizer, self.eos_token_ids)
         self._request_counter = itertools.count()
 
-    def _next_request_id(self) -> str:
-        return str(next(self._request_counter))
-
     # ----- lifecycle --------------------------------------------------------------------
 
     def __enter__(self) -> LLM:
@@ -286,7 +287,7 @@ class LLM:
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}.")
         prepared = self._prepare(prompts, sampling_params, skip_invalid=on_error == "skip")
-        return GenerationStream(self, engine, prepared, use_tqdm)
+        return GenerationStream(engine, prepared, use_tqdm)
 
     def _prepare(
         self,
@@ -302,13 +303,18 @@ class LLM:
         for index, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
             token_ids = list(next(encoded)) if isinstance(prompt, str) else None
             request = PreparedRequest(
-                index, prompt if isinstance(prompt, str) else None, [], params
+                index,
+                str(next(self._request_counter)),
+                prompt if isinstance(prompt, str) else None,
+                [],
+                params,
             )
             try:
                 if token_ids is None:
                     request.prompt, token_ids = self._prompt_tokens(index, prompt)
                 request.token_ids = token_ids
                 self._validate_request(index, token_ids, params)
+                request.bad_words_token_ids = self._bad_words_token_ids(params)
             except ValueError as error:
                 if not skip_invalid:
                     raise

@@ -250,3 +250,13 @@ def test_summary_line_and_per_request_latencies(llm: LLM, caplog: pytest.LogCapt
     assert metrics.time_to_first_token > 0
     assert metrics.inter_token_latency > 0
     assert metrics.num_generated_tokens == 5
+
+
+def test_a_second_stream_waits_for_the_first(llm: LLM) -> None:
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 9, 12)]
+    first = llm.generate_stream([{"prompt_token_ids": [500 + i] * 5} for i in range(3)], params)
+    iterator = iter(first)
+    next(iterator)
+    with pytest.raises(RuntimeError, match="Another generation is still running"):
+        next(iter(llm.generate_stream(["x"], params[0])))
+    assert len(list(iterator)) == 2

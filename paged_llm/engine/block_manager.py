@@ -221,7 +221,3 @@ class BlockManager:
                 self.free_queue.append(block)
         seq.block_table.clear()
         self._num_registered_blocks.pop(seq.seq_id, None)
-
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks

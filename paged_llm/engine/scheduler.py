@@ -41,9 +41,6 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_scheduled_tokens)
 
-    def __len__(self) -> int:
-        return len(self.seqs)
-
 
 @dataclass(slots=True)
 class SchedulerConfig:
