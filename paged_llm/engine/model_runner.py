@@ -93,6 +93,10 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = self.attention_backend
+        self.attention_backend.setup(
+            self.kv_bytes_per_token // len(self.attention_layers),
+            any(layer.sliding_window is not None for layer in self.attention_layers),
+        )
         self.sampler = Sampler()
         self.kv_cache = torch.empty(0)
         self.num_blocks = self._allocate_kv_cache()

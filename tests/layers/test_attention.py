@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from csrc_triton import reference
-from paged_llm.layers.attention import AttentionMetadata, TorchAttentionBackend
+from paged_llm.layers.attention import AttentionMetadata, TorchAttentionBackend, torch_backend
 from tests.csrc_triton.batches import make_batch
 
 # Decodes mid-block and across many blocks, a fresh prefill, a chunked prefill after cached
@@ -27,34 +27,9 @@ def _slot_mapping(batch: dict, block_size: int) -> torch.Tensor:
     return torch.cat(slots)
 
 
-@pytest.mark.parametrize("sliding_window", [None, 7])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("num_queries_per_kv", [1, 2, 4])
-def test_torch_backend_matches_reference(
-    num_queries_per_kv: int, head_dim: int, sliding_window: int | None
-) -> None:
-    torch.manual_seed(0)
-    block_size = 16
-    # NOTE: unused slots hold large finite garbage rather than NaN: the engine zero-fills its
-    # cache, and this backend reads whole blocks and masks their unused tail.
-    batch = make_batch(
-        QUERY_LENS,
-        CONTEXT_LENS,
-        2,
-        num_queries_per_kv,
-        head_dim,
-        block_size,
-        torch.float32,
-        "cpu",
-        unused_fill=1e4,
-    )
-    slots = _slot_mapping(batch, block_size)
-    # This step's keys and values are those already in the cache: storing them again must
-    # change nothing.
-    key = batch["key_cache"].view(-1, 2, head_dim)[slots].clone()
-    value = batch["value_cache"].view(-1, 2, head_dim)[slots].clone()
-    metadata = AttentionMetadata(
-        slot_mapping=slots,
+def _metadata_of(batch: dict, block_size: int) -> AttentionMetadata:
+    return AttentionMetadata(
+        slot_mapping=_slot_mapping(batch, block_size),
         query_start_loc=batch["query_start_loc"],
         seq_lens=batch["seq_lens"],
         block_tables=batch["block_tables"].clamp_min(0),
@@ -64,21 +39,84 @@ def test_torch_backend_matches_reference(
         max_seq_len=batch["max_seq_len"],
         block_size=block_size,
     )
-    backend = TorchAttentionBackend()
+
+
+def _run_backend(
+    batch: dict, block_size: int, sliding_window: int | None, backend: TorchAttentionBackend
+) -> torch.Tensor:
+    """The backend's attention over a token-major test batch."""
+    num_kv_heads, head_dim = batch["key_cache"].shape[2:]
+    metadata = _metadata_of(batch, block_size)
+    slots = metadata.slot_mapping
+    # This step's keys and values are those already in the cache: storing them again must
+    # change nothing.
+    key = batch["key_cache"].view(-1, num_kv_heads, head_dim)[slots].clone()
+    value = batch["value_cache"].view(-1, num_kv_heads, head_dim)[slots].clone()
+    backend.setup(2 * num_kv_heads * head_dim * 4, sliding_window is not None)
     metadata.backend_data = backend.prepare(metadata)
-    expected = reference.paged_attention(**batch, sliding_window=sliding_window)
     # The batch's caches are token-major; this backend keeps its cache head-major.
     key_cache = batch["key_cache"].permute(2, 0, 1, 3).contiguous()
     value_cache = batch["value_cache"].permute(2, 0, 1, 3).contiguous()
-    assert key_cache.shape == backend.kv_cache_shape(*batch["key_cache"].shape[:2], 2, head_dim)
-    actual = backend.forward(
-        batch["query"],
-        key,
-        value,
-        key_cache,
-        value_cache,
-        metadata,
-        batch["scale"],
-        sliding_window,
+    assert key_cache.shape == backend.kv_cache_shape(
+        *batch["key_cache"].shape[:2], num_kv_heads, head_dim
     )
+    return backend.forward(
+        batch["query"], key, value, key_cache, value_cache, metadata, batch["scale"], sliding_window
+    )
+
+
+@pytest.mark.parametrize("sliding_window", [None, 7])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_queries_per_kv", [1, 2, 4])
+def test_torch_backend_matches_reference(
+    num_queries_per_kv: int, head_dim: int, sliding_window: int | None
+) -> None:
+    torch.manual_seed(0)
+    # NOTE: unused slots hold large finite garbage rather than NaN: the engine zero-fills its
+    # cache, and this backend reads whole blocks and masks their unused tail.
+    batch = make_batch(
+        QUERY_LENS,
+        CONTEXT_LENS,
+        2,
+        num_queries_per_kv,
+        head_dim,
+        16,
+        torch.float32,
+        "cpu",
+        unused_fill=1e4,
+    )
+    expected = reference.paged_attention(**batch, sliding_window=sliding_window)
+    actual = _run_backend(batch, 16, sliding_window, TorchAttentionBackend())
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 2**30], ids=["one-per-chunk", "one-chunk"])
+def test_decodes_sharing_a_prefix_attend_to_it_once(
+    chunk_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Five decodes whose tables start with the same 4 blocks (a prefix-cache hit), one
+    that does not, and a prefill: the shared prefix is gathered once and merged."""
+    monkeypatch.setattr(torch_backend, "_CHUNK_GATHER_BYTES", chunk_bytes)
+    torch.manual_seed(3)
+    block_size, shared_blocks = 16, 4
+    batch = make_batch(
+        (1, 1, 1, 1, 1, 1, 20),
+        (100, 90, 130, 64, 70, 150, 30),
+        2,
+        3,
+        64,
+        block_size,
+        torch.float32,
+        "cpu",
+        unused_fill=1e4,
+    )
+    tables = batch["block_tables"]
+    tables[1:5, :shared_blocks] = tables[0, :shared_blocks]
+    backend = TorchAttentionBackend()
+    actual = _run_backend(batch, block_size, None, backend)
+    expected = reference.paged_attention(**batch)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    plan = backend.prepare(_metadata_of(batch, block_size))
+    assert plan.shared_prefix is not None
+    assert plan.shared_prefix.block_ids.tolist() == tables[0, :shared_blocks].tolist()
+    assert len(plan.shared_prefix.token_idx) == 5

@@ -1,0 +1,17 @@
+"""Attention over the paged KV cache: per-step metadata, interchangeable backends (torch for
+CPU, Triton for GPU), and the layer models use."""
+
+from paged_llm.layers.attention.base import AttentionBackend, AttentionMetadata
+from paged_llm.layers.attention.layer import ATTENTION_BACKENDS, Attention, get_attention_backend
+from paged_llm.layers.attention.torch_backend import TorchAttentionBackend
+from paged_llm.layers.attention.triton_backend import TritonAttentionBackend
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "Attention",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "TorchAttentionBackend",
+    "TritonAttentionBackend",
+    "get_attention_backend",
+]

@@ -1,0 +1,72 @@
+"""What every attention backend shares: the per-step metadata and the backend interface.
+
+Every layer writes this step's keys and values into the cache at ``slot_mapping``, then
+each query token attends to all cached tokens of its own sequence at positions up to its
+own. That one rule serves prefill, chunked prefill, prefix-cache hits and decode.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where one step's tokens sit, shared by every layer of the forward pass.
+
+    ``query_start_loc[b]:query_start_loc[b+1]`` are sequence b's query tokens; ``seq_lens[b]``
+    is its context length after this step; query token i of sequence b has position
+    ``seq_lens[b] - query_len_b + i``. ``backend_data`` is what the backend precomputed
+    from these once per step.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    backend_data: Any = None
+
+
+class AttentionBackend(abc.ABC):
+    """A way to store keys/values in the paged cache and attend over it."""
+
+    name: ClassVar[str]
+
+    @staticmethod
+    def kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's key (or value) cache."""
+        return (num_blocks, block_size, num_kv_heads, head_dim)
+
+    def setup(self, kv_bytes_per_token: int, has_sliding_window: bool) -> None:
+        """Learn the cache geometry once the model is built: the key and value bytes of
+        one token in one layer, and whether any layer uses a sliding window."""
+        return None
+
+    def prepare(self, metadata: AttentionMetadata) -> Any:
+        """Per-step precomputation shared by all layers; stored in ``metadata.backend_data``."""
+        return None
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """query ``[T, H, D]``, key/value ``[T, Hkv, D]``; returns ``[T, H, D]``."""
