@@ -4,11 +4,16 @@ A decode step launches hundreds of small kernels; replaying a captured graph lau
 them at once. Inputs live in static buffers; a batch of B sequences replays the
 smallest captured size >= B, and its padding rows write nowhere (slot -1) and read one
 cached token, so their (discarded) outputs cost nothing but arithmetic.
+
+With ``capture=False`` the same static, padded batches run eagerly: that is how the
+padding logic is tested on machines without a GPU.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -31,6 +36,7 @@ class DecodeGraphs:
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        capture: bool = True,
     ) -> None:
         self.sizes = capture_sizes(max_num_seqs)
         largest = self.sizes[-1]
@@ -42,7 +48,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(
             largest, max_blocks_per_seq, dtype=torch.int32, device=device
         )
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._runs: dict[int, Callable[[], torch.Tensor]] = {}
         pool = None
         # Largest first, so smaller graphs reuse its memory pool.
         for size in reversed(self.sizes):
@@ -58,14 +64,19 @@ class DecodeGraphs:
                 max_seq_len=max_model_len,
                 block_size=block_size,
             )
+            inputs = (self.input_ids[:size], self.positions[:size], metadata)
+            if not capture:
+                self._runs[size] = functools.partial(model, *inputs)
+                continue
             # Warm-up outside capture: Triton compiles its kernels on first launch.
-            model(self.input_ids[:size], self.positions[:size], metadata)
+            model(*inputs)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = model(self.input_ids[:size], self.positions[:size], metadata)
+                hidden = model(*inputs)
             pool = graph.pool()
-            self._graphs[size] = (graph, hidden)
-        torch.cuda.synchronize(device)
+            self._runs[size] = functools.partial(_replay, graph, hidden)
+        if capture:
+            torch.cuda.synchronize(device)
 
     def can_run(self, batch: HostBatch) -> bool:
         return batch.is_decode_only and batch.num_seqs <= self.sizes[-1]
@@ -74,7 +85,6 @@ class DecodeGraphs:
         """Hidden states ``[B, hidden_size]`` of a decode-only batch."""
         num_seqs = batch.num_seqs
         size = self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
-        graph, hidden = self._graphs[size]
         self.input_ids[:num_seqs].copy_(torch.from_numpy(batch.input_ids), non_blocking=True)
         self.positions[:num_seqs].copy_(torch.from_numpy(batch.positions), non_blocking=True)
         self.slot_mapping[:num_seqs].copy_(torch.from_numpy(batch.slot_mapping), non_blocking=True)
@@ -85,5 +95,9 @@ class DecodeGraphs:
         self.block_tables[:num_seqs, :num_blocks].copy_(
             torch.from_numpy(batch.block_tables), non_blocking=True
         )
-        graph.replay()
-        return hidden[:num_seqs]
+        return self._runs[size]()[:num_seqs]
+
+
+def _replay(graph: torch.cuda.CUDAGraph, hidden: torch.Tensor) -> torch.Tensor:
+    graph.replay()
+    return hidden

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -66,6 +67,19 @@ def compute_cos_sin_cache(
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
 
 
+@dataclass(frozen=True, slots=True)
+class StepRotation:
+    """One forward pass's rotation, looked up once and shared by every layer.
+
+    ``cos``/``sin`` are ``[T, 1, head_dim / 2]`` in the activations' dtype on CPU, and None on
+    CUDA, where the Triton kernel reads the table at ``positions`` itself.
+    """
+
+    positions: torch.Tensor
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates query and key heads by their token's position.
 
@@ -79,26 +93,26 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.cos_sin_cache = compute_cos_sin_cache(head_dim, max_position, params, device)
-        self._positions: torch.Tensor | None = None
-        self._cos = self._sin = torch.empty(0)
+
+    def step_rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRotation:
+        """The rotation of a forward pass over tokens at ``positions``, activations in ``dtype``."""
+        if positions.is_cuda:
+            return StepRotation(positions, None, None)
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+        # transformers rounds cos/sin to the activations' dtype and rotates in it.
+        return StepRotation(positions, cos.to(dtype), sin.to(dtype))
 
     def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+        self, rotation: StepRotation, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """query ``[T, H, D]``, key ``[T, Hkv, D]``; returns the rotated pair.
 
         On CUDA a Triton kernel rotates both in place, through whatever views they are.
         """
-        if query.is_cuda:
-            triton_kernels().apply_rotary(query, key, positions, self.cos_sin_cache)
+        if rotation.cos is None or rotation.sin is None:
+            triton_kernels().apply_rotary(query, key, rotation.positions, self.cos_sin_cache)
             return query, key
-        # Every layer of a step rotates by the same positions: look them up once.
-        if positions is not self._positions:
-            self._positions = positions
-            cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-            # transformers rounds cos/sin to the activations' dtype and rotates in it.
-            self._cos, self._sin = cos.to(query.dtype), sin.to(query.dtype)
-        return _rotate(query, self._cos, self._sin), _rotate(key, self._cos, self._sin)
+        return _rotate(query, rotation.cos, rotation.sin), _rotate(key, rotation.cos, rotation.sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from paged_llm.layers.activation import SiluAndMul
 from paged_llm.layers.attention import Attention, AttentionMetadata
 from paged_llm.layers.layernorm import RMSNorm
 from paged_llm.layers.linear import Linear, PackedLinear
-from paged_llm.layers.rotary import RotaryEmbedding, rope_parameters
+from paged_llm.layers.rotary import RotaryEmbedding, StepRotation, rope_parameters
 
 
 def _head_dim(config: Any) -> int:
@@ -67,7 +67,7 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
+        self, rotation: StepRotation, hidden: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -76,7 +76,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(rotation, q, k)
         out = self.attn(q, k, v, metadata)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
@@ -104,7 +104,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rotation: StepRotation,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,
@@ -114,7 +114,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, metadata)
+        hidden = self.self_attn(rotation, hidden, metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -142,11 +142,14 @@ class LlamaForCausalLM(nn.Module):
             "o_bias": attention_bias if self.qkv_bias is None else False,
             "qk_norm": self.qk_norm,
         }
-        rotary = RotaryEmbedding(_head_dim(config), max_position, rope_parameters(config), device)
+        # One table for all layers; each forward looks up its positions once.
+        self.rotary = RotaryEmbedding(
+            _head_dim(config), max_position, rope_parameters(config), device
+        )
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.model.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary, **attn_flags)
+            LlamaDecoderLayer(config, i, self.rotary, **attn_flags)
             for i in range(config.num_hidden_layers)
         )
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -164,9 +167,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden_size]`` of a flat batch of ``T`` tokens."""
         hidden = self.model.embed_tokens(input_ids)
+        rotation = self.rotary.step_rotation(positions, hidden.dtype)
         residual = None
         for layer in self.model.layers:
-            hidden, residual = layer(positions, hidden, residual, metadata)
+            hidden, residual = layer(rotation, hidden, residual, metadata)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
