@@ -163,3 +163,28 @@ def test_latency_sweep_on_a_random_weight_model(
         for metric in ("ttft", "itl"):
             p50, p90, p99 = (level[f"{metric}_p{p}"] for p in (50, 90, 99))
             assert 0 < p50 <= p90 <= p99
+
+
+@pytest.mark.slow
+def test_op_profile_lists_operators_by_self_time(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "profile.json"
+    run_module(
+        "benchmarks.op_profile",
+        "--model", str(tiny_model_dir("llama")),
+        "--workload", "b",
+        "--num-requests", "3",
+        "--output-len", "2", "4",
+        "--out", str(out),
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+
+    assert result["workload"]["num_requests"] == 3
+    assert result["wall_seconds"] > 0
+    operators = result["operators"]
+    times = [op["self_cpu_seconds"] for op in operators]
+    assert times == sorted(times, reverse=True)
+    assert sum(op["share"] for op in operators) == pytest.approx(1)
+    # The model's matmuls are among the operators that ran.
+    assert any("linear" in op["name"] or "mm" in op["name"] for op in operators)
