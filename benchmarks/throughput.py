@@ -312,9 +312,8 @@ def print_report(
                 f"prompt tokens); {s.num_preemptions} preemptions."
             )
     if roofline_gflops is not None:
-        by_library = ", ".join(
-            f"{name} {value:,.1f}" for name, value in best_by_library(gemms).items()
-        )
+        best_per_library = best_by_library(gemms)
+        by_library = ", ".join(f"{name} {value:,.1f}" for name, value in best_per_library.items())
         print(
             f"\nMatmul roofline: {roofline_gflops:,.1f} GFLOP/s ({args.dtype}, best GEMM measured; "
             f"best per library: {by_library})."
@@ -325,8 +324,12 @@ def print_report(
                 f"({r.computed_prompt_tokens} prompt tokens computed = {r.prompt_tokens} - "
                 f"{r.prefix_cache_hit_tokens} prefix-cache hits; {r.output_tokens} output "
                 f"tokens) -> {r.achieved_gflops:,.1f} GFLOP/s = "
-                f"{100 * r.fraction_of_roofline:.1f}% of the roofline. Attention FLOPs are "
-                "excluded."
+                f"{100 * r.fraction_of_roofline:.1f}% of the roofline ("
+                + ", ".join(
+                    f"{100 * r.achieved_gflops / value:.1f}% of {name}'s best"
+                    for name, value in best_per_library.items()
+                )
+                + "). Attention FLOPs are excluded."
             )
 
 
