@@ -22,9 +22,15 @@ from typing import Any
 
 import torch
 
-from benchmarks.models import bundled_config_names, resolve_benchmark_model
+from benchmarks.engines import greedy_params, synchronize
+from benchmarks.models import (
+    add_device_arguments,
+    add_model_arguments,
+    resolve_benchmark_model,
+    resolve_device_arguments,
+)
 from benchmarks.report import format_table, machine_info, write_json
-from paged_llm import LLM, SamplingParams
+from paged_llm import LLM
 
 # HBM3e bandwidth of an H200 by the vendor's datasheet.
 H200_BANDWIDTH_GBPS = 4800.0
@@ -51,14 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-sizes", default="1,16,64")
     parser.add_argument("--context-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--model", default=None, help="model dir, .gguf or hub id")
-    parser.add_argument(
-        "--random-weights-config",
-        default=None,
-        help=f"one of {bundled_config_names()} or a config.json",
-    )
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    add_model_arguments(parser)
+    add_device_arguments(parser)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument(
         "--bandwidth-gbps",
@@ -66,9 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="memory bandwidth of the roofline (default: 4800 on cuda, measured on cpu)",
     )
-    parser.add_argument("--out", default=None, help="write JSON results here")
+    parser.add_argument("--out", type=Path, default=None, help="write JSON results here")
     args = parser.parse_args(argv)
-    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    resolve_device_arguments(args)
     return args
 
 
@@ -82,17 +82,12 @@ def measured_cpu_bandwidth_gbps() -> float:
     return 5 * data.numel() * 4 / (time.perf_counter() - started) / 1e9
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def time_decode(llm: LLM, batch_size: int, context_len: int, steps: int, device: str) -> float:
     """Seconds per decode-only step with ``batch_size`` sequences of ``context_len`` tokens."""
     engine = llm.engine
     assert engine is not None
     generator = torch.Generator().manual_seed(batch_size)
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True, detokenize=False)
+    params = greedy_params(steps + 8)
     for i in range(batch_size):
         prompt = torch.randint(100, 20000, (context_len,), generator=generator).tolist()
         engine.add_request(f"decode-{batch_size}-{i}", None, prompt, params)
@@ -103,11 +98,11 @@ def time_decode(llm: LLM, batch_size: int, context_len: int, steps: int, device:
         engine.step()
     for _ in range(3):
         engine.step()
-    _sync(device)
+    synchronize(device)
     started = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    _sync(device)
+    synchronize(device)
     seconds = (time.perf_counter() - started) / steps
     engine.abort_all()
     return seconds
@@ -115,6 +110,7 @@ def time_decode(llm: LLM, batch_size: int, context_len: int, steps: int, device:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     dtype = getattr(torch, args.dtype)
     bandwidth = args.bandwidth_gbps or (
@@ -178,13 +174,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     )
     report = {
-        "machine": machine_info(args.device, torch.get_num_threads()),
+        "machine": machine_info(args.device, args.threads),
         "args": vars(args),
         "bandwidth_gbps": bandwidth,
         "results": [{**asdict(r), "fraction_of_roofline": r.fraction_of_roofline} for r in results],
     }
-    if args.out:
-        write_json(Path(args.out), report)
+    if args.out is not None:
+        write_json(args.out, report)
     return report
 
 

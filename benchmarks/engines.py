@@ -119,12 +119,7 @@ class PagedLLMEngine(Engine):
         )
 
     def generate(self, requests: list[BenchRequest]) -> list[list[int]]:
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": r.prompt_token_ids} for r in requests],
-            [greedy_params(r.max_tokens) for r in requests],
-            use_tqdm=False,
-        )
-        return [list(o.outputs[0].token_ids) for o in outputs]
+        return [list(o.outputs[0].token_ids) for o in generate_greedy(self.llm, requests)]
 
     def counters(self) -> dict[str, int]:
         metrics = self.llm.get_metrics()
@@ -152,6 +147,15 @@ def greedy_params(max_tokens: int) -> Any:
     from paged_llm import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+
+
+def generate_greedy(llm: Any, requests: list[BenchRequest]) -> list[Any]:
+    """paged_llm's ``RequestOutput``s for ``requests``, greedy, each to its own length."""
+    return llm.generate(
+        [{"prompt_token_ids": r.prompt_token_ids} for r in requests],
+        [greedy_params(r.max_tokens) for r in requests],
+        use_tqdm=False,
+    )
 
 
 def load_hf_model(options: EngineOptions, attn_implementation: str) -> Any:
@@ -248,13 +252,16 @@ class HFContinuousEngine(Engine):
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+        from paged_llm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+
         self.model = load_hf_model(options, "sdpa")
-        # The same batching limits as paged_llm's defaults (64 / 2048 on CPU, 256 / 8192 on
-        # GPU), and a cache that holds max_num_seqs sequences of max_model_len tokens, as
-        # paged_llm's does, instead of transformers' "share of free memory" sizing.
-        on_gpu = options.device == "cuda"
-        max_num_seqs = options.max_num_seqs or (256 if on_gpu else 64)
-        max_batch_tokens = options.max_num_batched_tokens or (8192 if on_gpu else 2048)
+        # The same batching limits as paged_llm's defaults, and a cache that holds
+        # max_num_seqs sequences of max_model_len tokens, as paged_llm's does, instead of
+        # transformers' "share of free memory" sizing.
+        max_num_seqs = options.max_num_seqs or DEFAULT_MAX_NUM_SEQS[options.device]
+        max_batch_tokens = (
+            options.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[options.device]
+        )
         page_size = ContinuousBatchingConfig.page_size
         num_blocks = max_num_seqs * math.ceil(options.max_model_len / page_size)
         self.cb_config = ContinuousBatchingConfig(
@@ -336,7 +343,8 @@ def make_engine(name: str, options: EngineOptions) -> Engine:
     return HFStaticEngine(options, int(match.group(1)))
 
 
-def _synchronize(device: str) -> None:
+def synchronize(device: str) -> None:
+    """Wait for queued GPU work, so a timer read next covers it."""
     if device == "cuda":
         torch.cuda.synchronize()
 
@@ -363,10 +371,10 @@ def run_engine(name: str, options: EngineOptions, workload: Workload) -> EngineR
         if options.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         before = engine.counters()
-        _synchronize(options.device)
+        synchronize(options.device)
         started = time.perf_counter()
         token_ids = engine.generate(workload.requests)
-        _synchronize(options.device)
+        synchronize(options.device)
         wall_seconds = time.perf_counter() - started
         after = engine.counters()
         settings = engine.settings()

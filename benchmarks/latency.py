@@ -25,8 +25,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.engines import greedy_params
-from benchmarks.models import bundled_config_names, resolve_benchmark_model
+from benchmarks.engines import generate_greedy
+from benchmarks.models import (
+    add_device_arguments,
+    add_model_arguments,
+    resolve_benchmark_model,
+    resolve_device_arguments,
+)
 from benchmarks.report import format_table, machine_info, write_json
 from benchmarks.workloads import RANDOM_TOKEN_ID_LIMIT, random_token_requests
 
@@ -68,36 +73,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="repeat a level until it has this many requests, so low levels have percentiles",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="model directory, .gguf or hub id (default: the embedded SmolLM2-135M-Instruct); "
-        "with --random-weights-config, the tokenizer",
-    )
-    parser.add_argument(
-        "--random-weights-config",
-        default=None,
-        help="build a random-weight model from a config.json path or a bundled config: "
-        + ", ".join(bundled_config_names()),
-    )
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16"),
-        default=None,
-        help="default: float32 on cpu, bfloat16 on cuda",
-    )
-    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    add_model_arguments(parser)
+    add_device_arguments(parser)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None, help="write JSON results here")
     args = parser.parse_args(argv)
     args.concurrency = sorted({int(level) for level in args.concurrency.split(",")})
     if args.concurrency[0] < 1:
         parser.error("--concurrency levels must be >= 1")
-    if args.dtype is None:
-        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
-    if args.threads is None:
-        args.threads = torch.get_num_threads()
+    resolve_device_arguments(args)
     return args
 
 
@@ -117,11 +101,7 @@ def run_level(llm: Any, args: argparse.Namespace, concurrency: int, seed: int) -
             concurrency, args.input_len, args.output_len, seed + repeat, vocab_limit
         )
         started = time.perf_counter()
-        outputs = llm.generate(
-            [{"prompt_token_ids": r.prompt_token_ids} for r in requests],
-            greedy_params(args.output_len),
-            use_tqdm=False,
-        )
+        outputs = generate_greedy(llm, requests)
         wall_seconds += time.perf_counter() - started
         for output in outputs:
             metrics = output.metrics
@@ -169,11 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             warmup = random_token_requests(
                 min(4, max(args.concurrency)), args.input_len, args.output_len, args.seed - 1, 1000
             )
-            llm.generate(
-                [{"prompt_token_ids": r.prompt_token_ids} for r in warmup],
-                greedy_params(args.output_len),
-                use_tqdm=False,
-            )
+            generate_greedy(llm, warmup)
             # Each level gets its own prompt seeds, so no level hits another's prefix cache.
             levels = [
                 run_level(llm, args, concurrency, seed=args.seed + 1000 * index)
@@ -217,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "benchmark": "latency",
         "machine": machine,
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": vars(args),
         "settings": settings,
         "levels": [asdict(level) for level in levels],
     }

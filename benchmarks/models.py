@@ -7,6 +7,7 @@ weights are, so a random-weight model has the speed of the real one and needs no
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -21,6 +22,47 @@ VENDORED_TOKENIZER_DIR = (
 
 def bundled_config_names() -> list[str]:
     return sorted(path.stem for path in CONFIGS_DIR.glob("*.json"))
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model`` and ``--random-weights-config``, as every benchmark script takes them."""
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model directory, .gguf or hub id (default: the embedded SmolLM2-135M-Instruct); "
+        "with --random-weights-config, the tokenizer",
+    )
+    parser.add_argument(
+        "--random-weights-config",
+        default=None,
+        help="build a random-weight model from a config.json path or a bundled config: "
+        + ", ".join(bundled_config_names()),
+    )
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--device``, ``--dtype`` and ``--threads``; `resolve_device_arguments` fills in
+    the defaults that depend on the device once parsed."""
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="default: float32 on cpu, bfloat16 on cuda",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (in every engine; default: torch's default here)",
+    )
+
+
+def resolve_device_arguments(args: argparse.Namespace) -> None:
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    if args.threads is None:
+        args.threads = torch.get_num_threads()
 
 
 def load_config_dict(source: str) -> dict:

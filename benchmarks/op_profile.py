@@ -22,8 +22,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoTokenizer
 
-from benchmarks.engines import greedy_params
-from benchmarks.models import resolve_benchmark_model
+from benchmarks.engines import generate_greedy
+from benchmarks.models import add_model_arguments, resolve_benchmark_model
 from benchmarks.report import format_table, machine_info, write_json
 from benchmarks.workloads import WORKLOAD_KINDS, WorkloadSpec, build_workload
 from paged_llm import LLM
@@ -39,10 +39,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--output-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX")
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default=None, help="model dir, .gguf or hub id")
+    add_model_arguments(parser)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--top", type=int, default=15, help="operators to list")
-    parser.add_argument("--out", default=None, help="write JSON results here")
+    parser.add_argument("--out", type=Path, default=None, help="write JSON results here")
     return parser.parse_args(argv)
 
 
@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="paged_llm_profile_") as tmp:
-        model_dir = resolve_benchmark_model(args.model, None, torch.float32, Path(tmp))
+        model_dir = resolve_benchmark_model(
+            args.model, args.random_weights_config, torch.float32, Path(tmp)
+        )
         spec = WorkloadSpec(
             kind=args.workload,
             num_requests=args.num_requests,
@@ -59,16 +61,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             max_output_len=args.output_len[1],
         )
         workload = build_workload(spec, AutoTokenizer.from_pretrained(model_dir))
-        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
-        params = [greedy_params(r.max_tokens) for r in workload.requests]
         with LLM(
             model_dir, dtype="float32", device="cpu", max_model_len=workload.max_seq_len
         ) as llm:
             # Warm-up on the first request alone: oneDNN and the allocator settle.
-            llm.generate(prompts[:1], params[:1], use_tqdm=False)
+            generate_greedy(llm, workload.requests[:1])
             with profile(activities=[ProfilerActivity.CPU]) as profiler:
                 started = time.perf_counter()
-                llm.generate(prompts, params, use_tqdm=False)
+                generate_greedy(llm, workload.requests)
                 wall_seconds = time.perf_counter() - started
 
     events = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "wall_seconds": wall_seconds,
         "operators": operators,
     }
-    if args.out:
-        write_json(Path(args.out), report)
+    if args.out is not None:
+        write_json(args.out, report)
     return report
 
 

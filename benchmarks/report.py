@@ -64,4 +64,5 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    # default=str: argument namespaces hold Paths.
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from benchmarks.engines import synchronize
 from paged_llm.layers.linear import onednn_linear_available
 
 
@@ -124,13 +125,11 @@ def time_gemm(
             torch.matmul(a, b, out=out)
 
     def timed(calls: int) -> float:
-        if device == "cuda":
-            torch.cuda.synchronize()
+        synchronize(device)
         started = time.perf_counter()
         for _ in range(calls):
             multiply()
-        if device == "cuda":
-            torch.cuda.synchronize()
+        synchronize(device)
         return (time.perf_counter() - started) / calls
 
     calls = max(1, int(0.05 / max(timed(1), 1e-7)))

@@ -30,7 +30,12 @@ from benchmarks.engines import (
     run_engine_in_subprocess,
     validate_engine_name,
 )
-from benchmarks.models import bundled_config_names, resolve_benchmark_model
+from benchmarks.models import (
+    add_device_arguments,
+    add_model_arguments,
+    resolve_benchmark_model,
+    resolve_device_arguments,
+)
 from benchmarks.report import format_table, machine_info, write_json
 from benchmarks.roofline import (
     GemmResult,
@@ -118,31 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX")
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="model directory, .gguf or hub id (default: the embedded "
-        "SmolLM2-135M-Instruct); with --random-weights-config, the tokenizer",
-    )
-    parser.add_argument(
-        "--random-weights-config",
-        default=None,
-        help=f"build a random-weight model from a config.json path or a bundled "
-        f"config: {', '.join(bundled_config_names())}",
-    )
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16"),
-        default=None,
-        help="default: float32 on cpu, bfloat16 on cuda",
-    )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads in every engine (default: torch's default here)",
-    )
+    add_model_arguments(parser)
+    add_device_arguments(parser)
     parser.add_argument(
         "--max-num-seqs",
         type=int,
@@ -179,10 +161,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.engines = [REFERENCE_ENGINE]
     if not args.engines:
         parser.error("--engines is empty")
-    if args.dtype is None:
-        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
-    if args.threads is None:
-        args.threads = torch.get_num_threads()
+    resolve_device_arguments(args)
     return args
 
 
@@ -418,7 +397,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "benchmark": "throughput",
         "machine": machine,
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": vars(args),
         "model": {
             "dir": str(model_dir)
             if args.random_weights_config is None

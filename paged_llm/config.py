@@ -19,8 +19,8 @@ _DTYPES = {
 
 # Defaults that depend on the device: a GPU step is cheap, so big batches pay; on a CPU a
 # step of 8192 tokens takes many seconds, and smaller steps keep latency sane.
-_DEFAULT_MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
-_DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 2048}
+DEFAULT_MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 2048}
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -113,9 +113,9 @@ class EngineConfig:
                 f"(max_position_embeddings={model_max_len}); use max_model_len <= {model_max_len}."
             )
         if max_num_seqs is None:
-            max_num_seqs = _DEFAULT_MAX_NUM_SEQS[resolved_device.type]
+            max_num_seqs = DEFAULT_MAX_NUM_SEQS[resolved_device.type]
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = _DEFAULT_MAX_NUM_BATCHED_TOKENS[resolved_device.type]
+            max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS[resolved_device.type]
         _check(isinstance(seed, int), "seed", seed, "an int")
         _check(
             isinstance(max_num_seqs, int) and max_num_seqs >= 1,
