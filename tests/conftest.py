@@ -119,7 +119,7 @@ def hf_greedy(
     # be filled in from the model's own generation config.
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt_token_ids]),
+            torch.tensor([prompt_token_ids], device=model.device),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             eos_token_id=None,

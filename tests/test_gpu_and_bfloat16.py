@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from paged_llm import LLM, SamplingParams
+from tests.conftest import hf_greedy
 
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -43,19 +44,8 @@ def test_cuda_graph_replay_equals_eager(arch: str, tiny_model_dir: Callable[[str
     assert graphed == eager
 
 
-def _hf_greedy(model: transformers.PreTrainedModel, device: str) -> list[list[int]]:
-    completions = []
-    for prompt in _prompts():
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([prompt], device=device),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        completions.append(out[0, len(prompt) :].tolist())
-    return completions
+def _hf_completions(model: transformers.PreTrainedModel) -> list[list[int]]:
+    return [hf_greedy(model, prompt, MAX_TOKENS) for prompt in _prompts()]
 
 
 def _agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
@@ -83,8 +73,8 @@ def test_bfloat16_agrees_with_transformers(
         dtype: transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
         for dtype in (torch.bfloat16, torch.float32)
     }
-    hf_bf16 = _hf_greedy(hf[torch.bfloat16], device)
-    hf_own = _agreement(hf_bf16, _hf_greedy(hf[torch.float32], device))
+    hf_bf16 = _hf_completions(hf[torch.bfloat16])
+    hf_own = _agreement(hf_bf16, _hf_completions(hf[torch.float32]))
     assert _agreement(ours, hf_bf16) >= hf_own - BF16_AGREEMENT_SLACK
 
     prompts = _prompts()

@@ -32,7 +32,6 @@ class DecodeGraphs:
         self,
         model: nn.Module,
         max_num_seqs: int,
-        max_blocks_per_seq: int,
         max_model_len: int,
         block_size: int,
         device: torch.device,
@@ -45,6 +44,7 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        max_blocks_per_seq = -(-max_model_len // block_size)
         self.block_tables = torch.zeros(
             largest, max_blocks_per_seq, dtype=torch.int32, device=device
         )

@@ -106,7 +106,6 @@ class ModelRunner:
                 self.decode_graphs = DecodeGraphs(
                     self.model,
                     config.max_num_seqs,
-                    -(-config.max_model_len // self.block_size),
                     config.max_model_len,
                     self.block_size,
                     self.device,

@@ -6,11 +6,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged_llm.layers.kernels import triton_kernels
+
 
 class SiluAndMul(nn.Module):
-    """``silu(gate) * up`` for an input holding ``[gate | up]`` on its last dimension."""
+    """``silu(gate) * up`` for an input ``[T, 2 * I]`` holding ``[gate | up]``.
+
+    On CUDA this is one Triton kernel: one read of the input, one write of the output.
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return triton_kernels().silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         # In place on silu's fresh output: one large temporary instead of two (measured
         # 14.6 -> 9.1 ms with the down projection, 2048 tokens of SmolLM2 on CPU).

@@ -51,17 +51,16 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def prepack_for_cpu(model: nn.Module) -> bool:
-    """Switch every `Linear` of a CPU model to oneDNN; False when this build cannot."""
+def prepack_for_cpu(model: nn.Module) -> None:
+    """Switch every `Linear` of a CPU model to oneDNN, when this torch build has it."""
     if not onednn_linear_available():
-        return False
+        return
     uses = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
     for module in model.modules():
         if isinstance(module, Linear):
             module.prepack(keep_dense_weight=uses[id(module.weight)] > 1)
-    return True
 
 
 class PackedLinear(Linear):

@@ -59,7 +59,6 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(
-            self.num_heads,
             self.num_kv_heads,
             self.head_dim,
             scale=self.head_dim**-0.5,

@@ -112,7 +112,7 @@ def test_writes_into_out_and_skips_padding(
     ("change", "message"),
     [
         ({"head_dim": 512}, "head_dim"),
-        ({"num_queries_per_kv": 1, "query_heads": 3}, "multiple"),
+        ({"query_heads": 3}, "multiple"),
         ({"sliding_window": 0}, "sliding_window"),
     ],
     ids=["head_dim", "gqa_ratio", "sliding_window"],

@@ -30,15 +30,15 @@ def test_padded_static_decode_batches_equal_the_plain_path(
     ) as llm:
         expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         runner = llm.engine.model_runner
-        graphs = DecodeGraphs(runner.model, 8, 128 // 16, 128, 16, runner.device, capture=False)
-        padded_sizes = []
+        graphs = DecodeGraphs(runner.model, 8, 128, runner.block_size, runner.device, capture=False)
+        decode_batch_sizes = []
         run = graphs.run
         monkeypatch.setattr(
-            graphs, "run", lambda batch: padded_sizes.append(batch.num_seqs) or run(batch)
+            graphs, "run", lambda batch: decode_batch_sizes.append(batch.num_seqs) or run(batch)
         )
         runner.decode_graphs = graphs
         actual = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert actual == expected
     # Five sequences decode together, padded with three rows to the captured size 8.
-    assert padded_sizes and set(padded_sizes) == {5}
+    assert decode_batch_sizes and set(decode_batch_sizes) == {5}
     assert graphs.sizes == [1, 2, 4, 8]

@@ -29,14 +29,12 @@ class Attention(nn.Module):
 
     def __init__(
         self,
-        num_heads: int,
         num_kv_heads: int,
         head_dim: int,
         scale: float,
         sliding_window: int | None = None,
     ) -> None:
         super().__init__()
-        self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale

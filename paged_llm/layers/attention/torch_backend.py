@@ -97,6 +97,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self.cascade = True
+        # Until setup() tells the real size: float32 keys and values of one 128-dim head.
         self._kv_bytes_per_token = 2 * 128 * 4
         # NOTE: gathers land in this reused buffer: a fresh tensor of tens of megabytes per
         # layer would be mmap'd and page-faulted in every time (4x slower, measured).
