@@ -132,24 +132,20 @@ def _error_output(request: PreparedRequest) -> RequestOutput:
 
 
 def _log_summary(before: EngineMetrics, after: EngineMetrics, seconds: float) -> None:
-    requests = after.num_requests - before.num_requests
-    if requests == 0:
+    run = after.since(before)
+    if run.num_requests == 0:
         return
-    prompt_tokens = after.num_prompt_tokens - before.num_prompt_tokens
-    generated = after.num_generated_tokens - before.num_generated_tokens
-    queried = after.prefix_cache_queried_tokens - before.prefix_cache_queried_tokens
-    hits = after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
     logger.info(
         "Finished %d requests in %.2f s: %d prompt tokens (%.1f tok/s), %d generated tokens "
         "(%.1f tok/s); prefix-cache hit rate %.1f%%; %d preemptions.",
-        requests,
+        run.num_requests,
         seconds,
-        prompt_tokens,
-        prompt_tokens / seconds,
-        generated,
-        generated / seconds,
-        100.0 * hits / queried if queried else 0.0,
-        after.num_preemptions - before.num_preemptions,
+        run.num_prompt_tokens,
+        run.num_prompt_tokens / seconds,
+        run.num_generated_tokens,
+        run.num_generated_tokens / seconds,
+        100.0 * run.prefix_cache_hit_rate,
+        run.num_preemptions,
     )
 
 

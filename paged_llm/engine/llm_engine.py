@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 from transformers import PreTrainedTokenizerBase
 
@@ -42,6 +42,12 @@ class EngineMetrics:
         if self.prefix_cache_queried_tokens == 0:
             return 0.0
         return self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens
+
+    def since(self, earlier: EngineMetrics) -> EngineMetrics:
+        """The counts between ``earlier`` and these."""
+        return EngineMetrics(
+            *(now - then for now, then in zip(astuple(self), astuple(earlier), strict=True))
+        )
 
 
 class LLMEngine:
@@ -117,9 +123,7 @@ class LLMEngine:
         output = self.model_runner.execute(batch)
         for seq in batch.seqs:
             seq.request.prompt_logprobs.extend(output.prompt_logprobs.get(seq.seq_id, ()))
-        sampling_seqs = [
-            seq for seq, sample in zip(batch.seqs, batch.samples, strict=True) if sample
-        ]
+        sampling_seqs = batch.sampling_seqs
         finished = self.scheduler.update(batch, output.sampled_token_ids)
         self._num_generated_tokens += len(sampling_seqs)
         if output.logprobs is not None:
@@ -135,7 +139,7 @@ class LLMEngine:
             if seq.is_finished:
                 seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop_str
             else:
-                self.scheduler.finish(seq, FinishReason.STOP, stop_str)
+                self.scheduler.stop_at_string(seq, stop_str)
                 finished.append(seq)
         return [
             self.output_processor.make_output(request)

@@ -256,9 +256,7 @@ class ModelRunner:
             logprobs=None,
             prompt_logprobs=self._prompt_logprobs(batch, host.query_start_loc.tolist(), hidden),
         )
-        sampling_seqs = [
-            seq for seq, sample in zip(batch.seqs, batch.samples, strict=True) if sample
-        ]
+        sampling_seqs = batch.sampling_seqs
         if not sampling_seqs:
             return output
         logits_indices = to_device(host.logits_indices, self.device)

@@ -31,11 +31,16 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
+    # The sequences with samples[i] set, in batch order: one sampled token each.
+    sampling_seqs: list[Sequence] = field(default_factory=list)
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
+        sample = seq.num_computed_tokens + num_tokens == seq.num_tokens
         self.seqs.append(seq)
         self.num_scheduled_tokens.append(num_tokens)
-        self.samples.append(seq.num_computed_tokens + num_tokens == seq.num_tokens)
+        self.samples.append(sample)
+        if sample:
+            self.sampling_seqs.append(seq)
 
     @property
     def num_tokens(self) -> int:
@@ -154,14 +159,13 @@ class Scheduler:
             if self._check_stop(seq):
                 finished.append(seq)
         for seq in finished:
-            self.finish(seq, seq.finish_reason, seq.stop_reason)
+            self._release(seq)
         return finished
 
     def _fork(self, parent: Sequence) -> None:
         """Start the parent's siblings on its computed prompt blocks."""
         for child in parent.pending_forks:
             child.num_computed_tokens = self.block_manager.fork(parent, child)
-            child.num_cached_tokens = parent.num_cached_tokens
             child.status = SequenceStatus.RUNNING
             self.running.append(child)
         parent.pending_forks = []
@@ -193,13 +197,14 @@ class Scheduler:
         self.running.clear()
         self.waiting.clear()
 
-    def finish(
-        self, seq: Sequence, reason: FinishReason | None, stop_reason: int | str | None = None
-    ) -> None:
-        """End a sequence now (a stop condition, or a stop string found in its text)."""
+    def stop_at_string(self, seq: Sequence, stop_str: str) -> None:
+        """End a running sequence whose text reached one of its stop strings."""
+        seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop_str
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Retire a sequence whose finish reason is set: free its blocks, stop running it."""
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        seq.stop_reason = stop_reason
         seq.metrics.finished_time = time.time()
         self.block_manager.free(seq)
         self.running.remove(seq)

@@ -101,7 +101,7 @@ def compute_logprobs(
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """``logits`` ``[B, V]`` float32 (modified in place)."""
+        """``logits`` ``[B, V]`` float32 (not modified)."""
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1) if metadata.max_num_logprobs is not None else None
         )
