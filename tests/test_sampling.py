@@ -107,6 +107,11 @@ def test_n_completions_share_prompt_blocks_and_free_them(llm: LLM) -> None:
     assert num_full_prompt_blocks >= 2
     for seq in request.seqs:
         assert seq.block_table[:num_full_prompt_blocks] == shared
+        # The shared blocks keep one hash chain (the children take the parent's).
+        assert (
+            seq.block_hashes[:num_full_prompt_blocks]
+            == parent.block_hashes[:num_full_prompt_blocks]
+        )
     assert [bm.blocks[b].ref_count for b in shared] == [4] * num_full_prompt_blocks
     while engine.has_unfinished():
         outputs.extend(engine.step())

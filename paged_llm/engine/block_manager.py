@@ -207,6 +207,8 @@ class BlockManager:
         for block_id in parent.block_table[:num_shared]:
             self.blocks[block_id].ref_count += 1
         child.block_table = parent.block_table[:num_shared]
+        # Same tokens, same chain: the child need not hash its prompt again.
+        child.block_hashes = parent.block_hashes[:num_shared]
         self._num_registered_blocks[child.seq_id] = num_shared
         return num_shared * self.block_size
 
