@@ -41,9 +41,11 @@ _CASCADE_MIN_BLOCKS = 4
 class _PrefillSeq:
     query_slice: slice
     seq_len: int
-    # Physical blocks of the context; None when the sequence has no cached context, so
-    # this step's own keys and values are all there is.
+    # Physical blocks of the context, and the causal mask ``[query_len, seq_len]`` of the
+    # queries over it; both None when the sequence has no cached context, so this step's
+    # own keys and values are all there is (and SDPA's is_causal does).
     block_ids: torch.Tensor | None
+    causal_mask: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -127,13 +129,11 @@ class TorchAttentionBackend(AttentionBackend):
             if end - start == 1:
                 decodes.append(b)
                 continue
-            has_context = seq_len > end - start
-            block_ids = (
-                metadata.block_tables[b, : -(-seq_len // block_size)].long()
-                if has_context
-                else None
-            )
-            prefills.append(_PrefillSeq(slice(start, end), seq_len, block_ids))
+            block_ids = causal_mask = None
+            if seq_len > end - start:
+                block_ids = metadata.block_tables[b, : -(-seq_len // block_size)].long()
+                causal_mask = _visible(end - start, seq_len, block_ids.device)
+            prefills.append(_PrefillSeq(slice(start, end), seq_len, block_ids, causal_mask))
         if not decodes:
             return _StepPlan(prefills, [], None)
 
@@ -356,6 +356,19 @@ def _merge(first: PartialAttention, second: PartialAttention) -> PartialAttentio
     return output, maximum, first[2] * weight_first + second[2] * weight_second
 
 
+def _visible(
+    query_len: int, seq_len: int, device: torch.device, sliding_window: int | None = None
+) -> torch.Tensor:
+    """``[query_len, seq_len]``: which keys each of the sequence's last ``query_len``
+    positions sees (itself and before, within the window if any)."""
+    q_pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
+    k_pos = torch.arange(seq_len, device=device)[None, :]
+    visible = k_pos <= q_pos
+    if sliding_window is not None:
+        visible &= k_pos > q_pos - sliding_window
+    return visible
+
+
 def _prefill_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -365,15 +378,10 @@ def _prefill_attention(
     sliding_window: int | None,
 ) -> torch.Tensor:
     """query ``[q, H, D]`` against the sequence's keys/values ``[Hkv, seq_len, D]``."""
-    query_len = query.shape[0]
-    mask = None
-    if seq.block_ids is not None or sliding_window is not None:
-        q_pos = torch.arange(seq.seq_len - query_len, seq.seq_len, device=query.device)
-        k_pos = torch.arange(seq.seq_len, device=query.device)
-        distance = q_pos[:, None] - k_pos[None, :]
-        mask = distance >= 0
-        if sliding_window is not None:
-            mask &= distance < sliding_window
+    # The causal mask is the step plan's, shared by every layer; a window is per layer.
+    mask = seq.causal_mask
+    if sliding_window is not None:
+        mask = _visible(query.shape[0], seq.seq_len, query.device, sliding_window)
     # NOTE: 4-D inputs: with 3-D ones, torch's CPU SDPA takes its unfused math path
     # (measured 2.5-4.5x slower for 256-1024 tokens).
     out = F.scaled_dot_product_attention(
