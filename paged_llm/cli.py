@@ -11,6 +11,7 @@ running; ``--resume`` repairs a torn last line and runs only the ids not yet wri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import logging
@@ -19,14 +20,13 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from paged_llm.llm import LLM
 from paged_llm.model_files import DEFAULT_MODEL
 from paged_llm.outputs import RequestOutput
-from paged_llm.sampling_params import SamplingParams
 
 # At most this many input errors are listed before the rest are only counted.
 _MAX_LISTED_ERRORS = 20
@@ -217,7 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument(
         "--stop", action="append", metavar="TEXT", help="stop string (repeatable)"
     )
-    sampling.add_argument("--ignore-eos", action="store_true", help="generate past EOS")
+    sampling.add_argument(
+        "--ignore-eos", action="store_true", default=None, help="generate past EOS"
+    )
     sampling.add_argument(
         "--seed",
         type=int,
@@ -243,6 +245,7 @@ _SAMPLING_FLAGS = (
     "max_tokens",
     "min_tokens",
     "stop",
+    "ignore_eos",
 )
 
 
@@ -305,13 +308,14 @@ def _run(
     llm: LLM, args: argparse.Namespace, rows: list[InputRow], num_skipped: int, sink: BinaryIO
 ) -> int:
     base = llm.get_default_sampling_params()
-    if args.max_tokens is None and "max_new_tokens" not in llm.generation_config:
+    if llm.generation_config.get("max_new_tokens") is None:
         base.max_tokens = _DEFAULT_MAX_TOKENS
-    overrides = {name: getattr(args, name) for name in _SAMPLING_FLAGS}
-    fields = {**vars(base), **{k: v for k, v in overrides.items() if v is not None}}
-    fields["ignore_eos"] = args.ignore_eos or base.ignore_eos
-    # Validated here, once, before any row runs.
-    SamplingParams(**fields)
+    # The flags given override the model's defaults; replace() validates them here, once,
+    # before any row runs.
+    base = replace(
+        base,
+        **{name: value for name in _SAMPLING_FLAGS if (value := getattr(args, name)) is not None},
+    )
 
     def write(record: dict[str, Any]) -> None:
         sink.write((json.dumps(record, ensure_ascii=False) + "\n").encode())
@@ -334,13 +338,11 @@ def _run(
                 num_errors += 1
                 continue
             runnable.append(row)
-        params = [
-            SamplingParams(**{**fields, "seed": row_seed(args.seed, row.id)}) for row in runnable
-        ]
+        params = [replace(base, seed=row_seed(args.seed, row.id)) for row in runnable]
         stream = llm.generate_stream(
             prompts, params, use_tqdm=not args.no_progress, on_error="skip"
         )
-        try:
+        with contextlib.closing(stream):
             for index, output in stream:
                 row = runnable[index]
                 if output.error is not None:
@@ -353,8 +355,6 @@ def _run(
                     completion_tokens += record["completion_tokens"]
                     write(record)
                 num_written += 1
-        finally:
-            stream.close()
     except KeyboardInterrupt:
         print(
             f"\nInterrupted after {num_written} rows; rerun with --resume to finish.",

@@ -130,6 +130,26 @@ def test_refuses_to_overwrite_without_resume(
     assert output.read_text() == '{"id": 0, "outputs": []}\n'
 
 
+def test_refuses_to_write_over_its_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
+    same = tmp_path / "sub" / ".." / "in.jsonl"
+    assert main(["generate", "-i", str(source), "-o", str(same), "--resume"]) == 2
+    assert "--input and --output are the same file" in capsys.readouterr().err
+    assert read_rows(source) == [{"id": 1, "prompt": "hi"}]
+
+
+def test_max_tokens_defaults_to_256_when_the_model_sets_none(model: str, tmp_path: Path) -> None:
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
+    output = tmp_path / "out.jsonl"
+    argv = ["generate", "-i", str(source), "-o", str(output), "--model", model, "--no-progress"]
+    assert main([*argv, "--max-model-len", "512", "--ignore-eos"]) == 0
+    (record,) = read_rows(output)
+    assert record["completion_tokens"] == 256
+    assert record["outputs"][0]["finish_reason"] == "length"
+
+
 def test_a_missing_model_is_reported_without_a_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
