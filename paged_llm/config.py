@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,15 @@ _DTYPES = {
 # step of 8192 tokens takes many seconds, and smaller steps keep latency sane.
 DEFAULT_MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 2048}
+
+
+def _triton_interpreter_enabled() -> bool:
+    """Whether Triton runs kernels on CPU tensors: TRITON_INTERPRET, read as Triton reads it."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return False
+    return bool(knobs.runtime.interpret)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -159,7 +167,7 @@ class EngineConfig:
         if (
             attention_backend == "triton"
             and resolved_device.type == "cpu"
-            and os.environ.get("TRITON_INTERPRET") != "1"
+            and not _triton_interpreter_enabled()
         ):
             raise ValueError(
                 "attention_backend='triton' on CPU runs only under the Triton interpreter: set "

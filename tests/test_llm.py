@@ -167,6 +167,18 @@ def test_bad_llm_arguments(
         LLM(tiny_model_dir("llama"), **{argument: value})
 
 
+def test_triton_backend_on_cpu_needs_the_interpreter(
+    tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        LLM(tiny_model_dir("llama"), attention_backend="triton")
+    # Any spelling Triton itself accepts turns it on.
+    monkeypatch.setenv("TRITON_INTERPRET", "true")
+    with LLM(tiny_model_dir("llama"), attention_backend="triton", max_model_len=64) as llm:
+        assert llm.config.attention_backend == "triton"
+
+
 def test_generate_stream_yields_each_request_once_as_it_finishes(llm: LLM) -> None:
     lengths = [9, 1, 5, 3, 7]
     prompts = [{"prompt_token_ids": [300 + i, 301, 302]} for i in range(len(lengths))]
