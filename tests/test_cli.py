@@ -183,6 +183,7 @@ SAMPLING = {
 
 
 @pytest.mark.parametrize("sampling", sorted(SAMPLING))
+@pytest.mark.slow
 def test_resume_after_kill_9_matches_a_clean_run(
     model: str, tmp_path: Path, sampling: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

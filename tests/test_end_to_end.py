@@ -13,6 +13,9 @@ from paged_llm import LLM, SamplingParams
 from paged_llm.model_files import DEFAULT_MODEL, resolve_model
 from tests.conftest import hf_greedy, smollm2_gguf_path
 
+# The real model: loads and generates for seconds, so out of quick `-m 'not slow'` runs.
+pytestmark = pytest.mark.slow
+
 QUESTIONS = [
     "What is the capital of France?",
     "Name three primary colors.",

