@@ -32,6 +32,16 @@ class HostBatch:
         return self.max_query_len == 1
 
 
+def padded_array(rows: list[list[int]], fill: int, dtype: type[np.integer]) -> np.ndarray:
+    """Rows of different lengths as one array, right-padded with ``fill`` (at least one
+    column, so an empty batch of rows still has a shape to index)."""
+    width = max((len(row) for row in rows), default=0)
+    array = np.full((len(rows), max(width, 1)), fill, dtype=dtype)
+    for i, row in enumerate(rows):
+        array[i, : len(row)] = row
+    return array
+
+
 def build_host_batch(
     token_ids: list[list[int]],
     num_computed: list[int],
@@ -54,10 +64,7 @@ def build_host_batch(
     num_tokens = int(query_start_loc[-1])
     seq_index = np.repeat(np.arange(num_seqs), scheduled)
     positions = np.arange(num_tokens) - query_start_loc[seq_index] + computed[seq_index]
-    max_blocks = max(len(table) for table in block_tables)
-    table_array = np.zeros((num_seqs, max_blocks), dtype=np.int32)
-    for row, table in enumerate(block_tables):
-        table_array[row, : len(table)] = table
+    table_array = padded_array(block_tables, 0, np.int32)
     slot_mapping = (
         table_array[seq_index, positions // block_size].astype(np.int64) * block_size
         + positions % block_size

@@ -9,21 +9,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from paged_llm.engine.batch import padded_array
 from paged_llm.engine.sequence import Sequence
 from paged_llm.layers.sampler import SamplingMetadata
 
 
-def _padded(rows: list[list[int]], fill: int) -> torch.Tensor:
-    width = max((len(row) for row in rows), default=0)
-    array = np.full((len(rows), max(width, 1)), fill, dtype=np.int64)
-    for i, row in enumerate(rows):
-        array[i, : len(row)] = row
-    return torch.from_numpy(array)
-
-
 def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """``[len(rows), vocab_size]`` occurrences of each token in each row."""
-    ids = _padded(rows, fill=vocab_size).to(device)
+    ids = torch.from_numpy(padded_array(rows, vocab_size, np.int64)).to(device)
     counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     return counts[:, :vocab_size]
