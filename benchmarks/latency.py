@@ -32,7 +32,7 @@ from benchmarks.models import (
     resolve_benchmark_model,
     resolve_device_arguments,
 )
-from benchmarks.report import format_table, machine_info, write_json
+from benchmarks.report import format_table, machine_info, machine_line, write_json
 from benchmarks.workloads import RANDOM_TOKEN_ID_LIMIT, random_token_requests
 
 PERCENTILES = (50, 90, 99)
@@ -161,12 +161,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "max_model_len": llm.config.max_model_len,
             }
 
-    print(
-        f"Machine: {machine['cpu']} ({machine['cpu_count']} CPUs)"
-        + (f", GPU {machine['gpu']}" if "gpu" in machine else "")
-        + f"; torch {machine['torch']}, torch threads {args.threads}; device {args.device}, "
-        f"dtype {args.dtype}"
-    )
+    print(machine_line(machine, args.device, args.dtype))
     print(
         f"paged_llm, {args.input_len} prompt tokens -> {args.output_len} output tokens per "
         f"request, greedy, EOS ignored; max_num_seqs {settings['max_num_seqs']}, "

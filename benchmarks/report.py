@@ -39,6 +39,16 @@ def machine_info(device: str, threads: int) -> dict[str, Any]:
     return info
 
 
+def machine_line(machine: dict[str, Any], device: str, dtype: str) -> str:
+    """One line of `machine_info` for a report's header."""
+    return (
+        f"Machine: {machine['cpu']} ({machine['cpu_count']} CPUs)"
+        + (f", GPU {machine['gpu']}" if "gpu" in machine else "")
+        + f"; torch {machine['torch']}, transformers {machine['transformers']}, "
+        f"torch threads {machine['torch_threads']}; device {device}, dtype {dtype}"
+    )
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A plain-text table: the first column left-aligned (names), the others right-aligned."""
 

@@ -36,7 +36,7 @@ from benchmarks.models import (
     resolve_benchmark_model,
     resolve_device_arguments,
 )
-from benchmarks.report import format_table, machine_info, write_json
+from benchmarks.report import format_table, machine_info, machine_line, write_json
 from benchmarks.roofline import (
     GemmResult,
     MatmulParams,
@@ -240,12 +240,7 @@ def print_report(
 ) -> None:
     prompt_lengths = [len(r.prompt_token_ids) for r in workload.requests]
     output_lengths = [r.max_tokens for r in workload.requests]
-    print(
-        f"Machine: {machine['cpu']} ({machine['cpu_count']} CPUs)"
-        + (f", GPU {machine['gpu']}" if "gpu" in machine else "")
-        + f"; torch {machine['torch']}, transformers {machine['transformers']}, "
-        f"torch threads {args.threads}; device {args.device}, dtype {args.dtype}"
-    )
+    print(machine_line(machine, args.device, args.dtype))
     print(
         f"Workload {workload.spec.kind}: {len(workload.requests)} requests, "
         f"{workload.num_prompt_tokens} prompt tokens (each {min(prompt_lengths)}-"
