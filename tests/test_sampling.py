@@ -173,6 +173,26 @@ def test_logprobs_and_prompt_logprobs_equal_transformers_with_a_warm_cache(
     assert completion.cumulative_logprob == pytest.approx(total, abs=1e-3)
 
 
+def test_prompt_logprobs_are_exact_across_prefill_chunks(
+    model_dir: Path, hf_model: transformers.PreTrainedModel
+) -> None:
+    budget = 16
+    with LLM(model_dir, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=budget) as chunked:
+        (output,) = chunked.generate(
+            " ".join(OTHER_PROMPTS), SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False
+        )
+    prompt_ids = output.prompt_token_ids
+    # Several chunks, so rows are scored chunk by chunk and none twice or never.
+    assert len(prompt_ids) > 3 * budget
+    assert output.prompt_logprobs is not None and output.prompt_logprobs[0] is None
+    assert len(output.prompt_logprobs) == len(prompt_ids)
+    reference = _reference_logprobs(hf_model, prompt_ids)
+    for position in range(1, len(prompt_ids)):
+        _check_position(
+            output.prompt_logprobs[position], prompt_ids[position], reference[position - 1], 1
+        )
+
+
 def _check_position(entry: dict, token: int, reference_row: torch.Tensor, num_top: int) -> None:
     assert token in entry
     assert entry[token].logprob == pytest.approx(float(reference_row[token]), abs=1e-4)
