@@ -81,6 +81,8 @@ class EngineConfig:
     gpu_memory_utilization: float
     enforce_eager: bool
     attention_backend: str
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     @classmethod
     def create(
@@ -100,6 +102,8 @@ class EngineConfig:
         gpu_memory_utilization: float,
         enforce_eager: bool,
         attention_backend: str,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
     ) -> EngineConfig:
         resolved_device = resolve_device(device)
         model_max_len = getattr(hf_config, "max_position_embeddings", None)
@@ -162,6 +166,7 @@ class EngineConfig:
             attention_backend,
             "'auto', 'torch' or 'triton'",
         )
+        _check_parallel_sizes(hf_config, resolved_device, tensor_parallel_size, data_parallel_size)
         if attention_backend == "auto":
             attention_backend = "triton" if resolved_device.type == "cuda" else "torch"
         if (
@@ -189,7 +194,52 @@ class EngineConfig:
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=bool(enforce_eager),
             attention_backend=attention_backend,
+            tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size,
         )
+
+
+def _check_parallel_sizes(
+    hf_config: Any, device: torch.device, tensor_parallel_size: int, data_parallel_size: int
+) -> None:
+    """Whether the model splits into ``tensor_parallel_size`` shards, and the devices suffice."""
+    for name, size in (
+        ("tensor_parallel_size", tensor_parallel_size),
+        ("data_parallel_size", data_parallel_size),
+    ):
+        _check(
+            isinstance(size, int) and not isinstance(size, bool) and size >= 1,
+            name,
+            size,
+            "an integer >= 1",
+        )
+    tp = tensor_parallel_size
+    num_heads = hf_config.num_attention_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    intermediate = hf_config.intermediate_size
+    working = [
+        n for n in range(1, num_heads + 1) if _splits(n, num_heads, num_kv_heads, intermediate)
+    ]
+    if not _splits(tp, num_heads, num_kv_heads, intermediate):
+        raise ValueError(
+            f"LLM argument tensor_parallel_size={tp} does not split this model: it needs to "
+            f"divide num_attention_heads={num_heads} and intermediate_size={intermediate}, and "
+            f"either divide num_key_value_heads={num_kv_heads} or be a multiple of it (KV "
+            f"heads are then replicated). Sizes that work: {working}."
+        )
+    if device.type == "cuda":
+        needed = tp * data_parallel_size
+        available = torch.cuda.device_count()
+        if needed > available:
+            raise ValueError(
+                f"tensor_parallel_size={tp} x data_parallel_size={data_parallel_size} needs "
+                f"{needed} CUDA devices, and {available} are visible."
+            )
+
+
+def _splits(tp: int, num_heads: int, num_kv_heads: int, intermediate: int) -> bool:
+    kv_ok = num_kv_heads % tp == 0 or tp % num_kv_heads == 0
+    return num_heads % tp == 0 and intermediate % tp == 0 and kv_ok
 
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:

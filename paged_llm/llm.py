@@ -172,6 +172,10 @@ class LLM:
         gpu_memory_utilization: On GPU, the share of device memory the engine may use.
         enforce_eager: On GPU, never capture CUDA graphs.
         attention_backend: "auto", "torch" or "triton".
+        tensor_parallel_size: Split each layer's weights and KV heads over this many
+            devices (worker processes on this machine; on CPU each rank is one process).
+        data_parallel_size: Run this many engine replicas in their own processes and
+            spread the requests over them (each replica may be tensor parallel too).
     """
 
     def __init__(
@@ -191,6 +195,8 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         attention_backend: str = "auto",
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
     ) -> None:
         model_dir = resolve_model(model).path
         hf_config = AutoConfig.from_pretrained(model_dir)
@@ -212,6 +218,8 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
             attention_backend=attention_backend,
+            tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size,
         )
         self.generation_config = _read_generation_config(model_dir)
         self.eos_token_ids = _eos_token_ids(self.generation_config, self.tokenizer)
