@@ -252,16 +252,15 @@ class HFContinuousEngine(Engine):
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-        from paged_llm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+        from paged_llm.platforms import get_platform
 
         self.model = load_hf_model(options, "sdpa")
         # The same batching limits as paged_llm's defaults, and a cache that holds
         # max_num_seqs sequences of max_model_len tokens, as paged_llm's does, instead of
         # transformers' "share of free memory" sizing.
-        max_num_seqs = options.max_num_seqs or DEFAULT_MAX_NUM_SEQS[options.device]
-        max_batch_tokens = (
-            options.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[options.device]
-        )
+        platform = get_platform(options.device)
+        max_num_seqs = options.max_num_seqs or platform.default_max_num_seqs
+        max_batch_tokens = options.max_num_batched_tokens or platform.default_max_num_batched_tokens
         page_size = ContinuousBatchingConfig.page_size
         num_blocks = max_num_seqs * math.ceil(options.max_model_len / page_size)
         self.cb_config = ContinuousBatchingConfig(

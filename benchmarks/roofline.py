@@ -99,9 +99,9 @@ def gemm_shapes(params: MatmulParams, device: str) -> list[tuple[int, int, int]]
     return shapes
 
 
-def gemm_libraries(device: str) -> list[str]:
+def gemm_libraries(device: str, dtype: torch.dtype) -> list[str]:
     libraries = ["torch.matmul"]
-    if device == "cpu" and onednn_linear_available():
+    if device == "cpu" and onednn_linear_available(dtype):
         libraries.append("onednn")
     return libraries
 
@@ -145,7 +145,7 @@ def measure_roofline(
     with torch.inference_mode():
         results = [
             time_gemm(library, m, k, n, dtype, device)
-            for library in gemm_libraries(device)
+            for library in gemm_libraries(device, dtype)
             for m, k, n in gemm_shapes(params, device)
         ]
     if device == "cuda":

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from paged_llm.platforms import Platform, get_platform
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -16,40 +18,16 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 
-# Defaults that depend on the device: a GPU step is cheap, so big batches pay; on a CPU a
-# step of 8192 tokens takes many seconds, and smaller steps keep latency sane.
-DEFAULT_MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
-DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 2048}
 
 
-def _triton_interpreter_enabled() -> bool:
-    """Whether Triton runs kernels on CPU tensors: TRITON_INTERPRET, read as Triton reads it."""
-    try:
-        from triton import knobs
-    except ImportError:
-        return False
-    return bool(knobs.runtime.interpret)
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
-    if resolved.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}.")
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was requested but no CUDA device is available.")
-    return resolved
-
-
-def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, platform: Platform) -> torch.dtype:
     """``"auto"``: float32 on CPU (its fast path), the checkpoint's dtype on GPU."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {dtype}.")
         return dtype
     if dtype == "auto":
-        if device.type == "cpu":
+        if not platform.auto_dtype_from_checkpoint:
             return torch.float32
         config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(config_dtype, str):
@@ -70,7 +48,7 @@ class EngineConfig:
     model_dir: Path
     hf_config: Any
     dtype: torch.dtype
-    device: torch.device
+    platform: Platform
     seed: int
     max_model_len: int
     max_num_seqs: int
@@ -84,6 +62,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
 
+    @property
+    def device(self) -> torch.device:
+        return self.platform.device
+
     @classmethod
     def create(
         cls,
@@ -91,7 +73,7 @@ class EngineConfig:
         model_dir: Path,
         hf_config: Any,
         dtype: str | torch.dtype,
-        device: str | torch.device,
+        device: str | torch.device | Platform,
         seed: int,
         max_model_len: int | None,
         max_num_seqs: int | None,
@@ -105,7 +87,7 @@ class EngineConfig:
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
     ) -> EngineConfig:
-        resolved_device = resolve_device(device)
+        platform = get_platform(device)
         model_max_len = getattr(hf_config, "max_position_embeddings", None)
         if max_model_len is None:
             if model_max_len is None:
@@ -125,9 +107,9 @@ class EngineConfig:
                 f"(max_position_embeddings={model_max_len}); use max_model_len <= {model_max_len}."
             )
         if max_num_seqs is None:
-            max_num_seqs = DEFAULT_MAX_NUM_SEQS[resolved_device.type]
+            max_num_seqs = platform.default_max_num_seqs
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS[resolved_device.type]
+            max_num_batched_tokens = platform.default_max_num_batched_tokens
         _check(isinstance(seed, int), "seed", seed, "an int")
         _check(
             isinstance(max_num_seqs, int) and max_num_seqs >= 1,
@@ -166,14 +148,10 @@ class EngineConfig:
             attention_backend,
             "'auto', 'torch' or 'triton'",
         )
-        _check_parallel_sizes(hf_config, resolved_device, tensor_parallel_size, data_parallel_size)
+        _check_parallel_sizes(hf_config, platform, tensor_parallel_size, data_parallel_size)
         if attention_backend == "auto":
-            attention_backend = "triton" if resolved_device.type == "cuda" else "torch"
-        if (
-            attention_backend == "triton"
-            and resolved_device.type == "cpu"
-            and not _triton_interpreter_enabled()
-        ):
+            attention_backend = platform.default_attention_backend
+        if attention_backend == "triton" and not platform.runs_triton():
             raise ValueError(
                 "attention_backend='triton' on CPU runs only under the Triton interpreter: set "
                 "TRITON_INTERPRET=1 before importing paged_llm (slow; meant for tests), or use "
@@ -182,8 +160,8 @@ class EngineConfig:
         return cls(
             model_dir=model_dir,
             hf_config=hf_config,
-            dtype=resolve_dtype(dtype, hf_config, resolved_device),
-            device=resolved_device,
+            dtype=resolve_dtype(dtype, hf_config, platform),
+            platform=platform,
             seed=seed,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
@@ -200,7 +178,7 @@ class EngineConfig:
 
 
 def _check_parallel_sizes(
-    hf_config: Any, device: torch.device, tensor_parallel_size: int, data_parallel_size: int
+    hf_config: Any, platform: Platform, tensor_parallel_size: int, data_parallel_size: int
 ) -> None:
     """Whether the model splits into ``tensor_parallel_size`` shards, and the devices suffice."""
     for name, size in (
@@ -227,14 +205,13 @@ def _check_parallel_sizes(
             f"either divide num_key_value_heads={num_kv_heads} or be a multiple of it (KV "
             f"heads are then replicated). Sizes that work: {working}."
         )
-    if device.type == "cuda":
-        needed = tp * data_parallel_size
-        available = torch.cuda.device_count()
-        if needed > available:
-            raise ValueError(
-                f"tensor_parallel_size={tp} x data_parallel_size={data_parallel_size} needs "
-                f"{needed} CUDA devices, and {available} are visible."
-            )
+    available = platform.device_count()
+    needed = tp * data_parallel_size
+    if available is not None and needed > available:
+        raise ValueError(
+            f"tensor_parallel_size={tp} x data_parallel_size={data_parallel_size} needs "
+            f"{needed} {platform.name} devices, and {available} are visible."
+        )
 
 
 def _splits(tp: int, num_heads: int, num_kv_heads: int, intermediate: int) -> bool:

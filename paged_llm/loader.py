@@ -1,4 +1,10 @@
-"""Load safetensors checkpoints (single file or sharded) into our model modules."""
+"""Load safetensors checkpoints (single file or sharded) into our model modules.
+
+A module that keeps only part of a checkpoint tensor (a tensor-parallel shard, one slice of
+a packed projection) says so with a ``load_weight(param, tensor, shard)`` method; the
+tensor is read from the file only in the rows or columns that method asks for, so each
+rank reads about its share of the weights.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +12,10 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
 from safetensors import safe_open
 from torch import nn
+
+from paged_llm.layers.weights import CheckpointTensor
 
 # Buffers some checkpoints carry that we recompute instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -29,11 +36,11 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iterate_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_checkpoint(model_dir: Path) -> Iterator[CheckpointTensor]:
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
+                yield CheckpointTensor(name, f.get_slice(name))
 
 
 def _target(name: str, packed_modules: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
@@ -53,24 +60,20 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
     tied = getattr(model.config, "tie_word_embeddings", False)
     expected = {(name, shard) for name in params for shard in _shards(model, name)}
     loaded: set[tuple[str, int | None]] = set()
-    for ckpt_name, tensor in iterate_checkpoint(model_dir):
+    for tensor in iterate_checkpoint(model_dir):
+        ckpt_name = tensor.name
         if ckpt_name.endswith(_IGNORED_SUFFIXES) or (tied and ckpt_name == "lm_head.weight"):
             continue
         name, shard = _target(ckpt_name, packed_modules)
         param = params.get(name)
         if param is None:
             raise ValueError(f"Checkpoint weight {ckpt_name!r} has no place in the model.")
-        if shard is None:
-            if param.shape != tensor.shape:
-                raise ValueError(
-                    f"Checkpoint weight {ckpt_name!r} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(param.shape)}."
-                )
-            param.data.copy_(tensor)
+        load_weight = getattr(_owner(model, name), "load_weight", None)
+        if load_weight is not None:
+            load_weight(param, tensor, shard)
         else:
-            owner = _packed_owner(model, name)
-            assert owner is not None
-            owner.load_shard(param, tensor, shard)
+            tensor.check_shape(tuple(param.shape))
+            param.data.copy_(tensor.read())
         loaded.add((name, shard))
     missing = sorted(
         f"{name}" + (f"[shard {s}]" if s is not None else "") for name, s in expected - loaded
@@ -80,10 +83,10 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
 
 
 def _shards(model: nn.Module, param_name: str) -> list[int | None]:
-    owner = _packed_owner(model, param_name)
-    return list(range(len(owner.output_sizes))) if owner is not None else [None]
+    """The checkpoint tensors (shards) that fill one parameter: one, or one per projection."""
+    num_shards = getattr(_owner(model, param_name), "num_checkpoint_shards", None)
+    return [None] if num_shards is None else list(range(num_shards))
 
 
-def _packed_owner(model: nn.Module, param_name: str) -> nn.Module | None:
-    module = model.get_submodule(param_name.rsplit(".", 1)[0])
-    return module if hasattr(module, "load_shard") else None
+def _owner(model: nn.Module, param_name: str) -> nn.Module:
+    return model.get_submodule(param_name.rsplit(".", 1)[0])

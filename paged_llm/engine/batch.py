@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from paged_llm.layers.attention import AttentionBackend, AttentionMetadata
+from paged_llm.platforms import Platform
 
 
 @dataclass(slots=True)
@@ -82,25 +83,23 @@ def build_host_batch(
 
 
 def to_device(
-    array: np.ndarray, device: torch.device, dtype: torch.dtype | None = None
+    array: np.ndarray, platform: Platform, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """Host array to device tensor; on CUDA through pinned memory, without blocking."""
+    """Host array to device tensor, as the platform copies (pinned, not blocking, on CUDA)."""
     tensor = torch.from_numpy(array)
     if dtype is not None:
         tensor = tensor.to(dtype)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor
+    return platform.host_to_device(tensor)
 
 
 def attention_metadata(
-    batch: HostBatch, block_size: int, backend: AttentionBackend, device: torch.device
+    batch: HostBatch, block_size: int, backend: AttentionBackend, platform: Platform
 ) -> AttentionMetadata:
     metadata = AttentionMetadata(
-        slot_mapping=to_device(batch.slot_mapping, device),
-        query_start_loc=to_device(batch.query_start_loc, device, torch.int32),
-        seq_lens=to_device(batch.seq_lens, device, torch.int32),
-        block_tables=to_device(batch.block_tables, device),
+        slot_mapping=to_device(batch.slot_mapping, platform),
+        query_start_loc=to_device(batch.query_start_loc, platform, torch.int32),
+        seq_lens=to_device(batch.seq_lens, platform, torch.int32),
+        block_tables=to_device(batch.block_tables, platform),
         query_start_loc_cpu=batch.query_start_loc.tolist(),
         seq_lens_cpu=batch.seq_lens.tolist(),
         max_query_len=batch.max_query_len,

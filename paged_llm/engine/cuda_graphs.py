@@ -12,6 +12,7 @@ padding logic is tested on machines without a GPU.
 from __future__ import annotations
 
 import bisect
+import collections
 import functools
 from collections.abc import Callable
 
@@ -38,6 +39,8 @@ class DecodeGraphs:
         capture: bool = True,
     ) -> None:
         self.sizes = capture_sizes(max_num_seqs)
+        # Batches run so far at each size.
+        self.replay_counts: collections.Counter[int] = collections.Counter()
         largest = self.sizes[-1]
         self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
         self.positions = torch.zeros(largest, dtype=torch.long, device=device)
@@ -81,10 +84,15 @@ class DecodeGraphs:
     def can_run(self, batch: HostBatch) -> bool:
         return batch.is_decode_only and batch.num_seqs <= self.sizes[-1]
 
+    def size_for(self, num_seqs: int) -> int:
+        """The smallest captured batch size that holds ``num_seqs`` sequences."""
+        return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
+
     def run(self, batch: HostBatch) -> torch.Tensor:
         """Hidden states ``[B, hidden_size]`` of a decode-only batch."""
         num_seqs = batch.num_seqs
-        size = self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
+        size = self.size_for(num_seqs)
+        self.replay_counts[size] += 1
         self.input_ids[:num_seqs].copy_(torch.from_numpy(batch.input_ids), non_blocking=True)
         self.positions[:num_seqs].copy_(torch.from_numpy(batch.positions), non_blocking=True)
         self.slot_mapping[:num_seqs].copy_(torch.from_numpy(batch.slot_mapping), non_blocking=True)

@@ -10,6 +10,7 @@ from dataclasses import astuple, dataclass
 from transformers import PreTrainedTokenizerBase
 
 from paged_llm.config import EngineConfig
+from paged_llm.distributed.executor import create_executor
 from paged_llm.engine.block_manager import BlockManager
 from paged_llm.engine.model_runner import ModelRunner
 from paged_llm.engine.output_processor import OutputProcessor
@@ -58,7 +59,8 @@ class LLMEngine:
         eos_token_ids: frozenset[int],
     ) -> None:
         self.config = config
-        self.model_runner = ModelRunner(config, eos_token_ids)
+        # One rank in this process, or N tensor-parallel ranks (rank 0 here).
+        self.executor = create_executor(config, eos_token_ids)
         self.block_manager = BlockManager(
             self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -76,6 +78,11 @@ class LLMEngine:
         self._num_requests = 0
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        """Rank 0's runner."""
+        return self.executor.runner
 
     def add_request(
         self,
@@ -120,7 +127,7 @@ class LLMEngine:
                 "The scheduler found nothing to run although requests are pending; "
                 "this is a bug in paged_llm."
             )
-        output = self.model_runner.execute(batch)
+        output = self.executor.execute(batch)
         for seq in batch.seqs:
             seq.request.prompt_logprobs.extend(output.prompt_logprobs.get(seq.seq_id, ()))
         sampling_seqs = batch.sampling_seqs
@@ -163,7 +170,7 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
-        self.model_runner.shutdown()
+        self.executor.shutdown()
 
 
 def _unique_requests(seqs: list[Sequence]) -> list[Request]:

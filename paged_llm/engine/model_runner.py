@@ -2,61 +2,81 @@
 
 The runner owns the KV cache (one preallocated tensor), the model and the sampler. It
 flattens every scheduled token of every sequence into one batch without padding.
+
+With tensor parallelism every rank has a runner over its shard of the weights and of the
+KV cache. Rank 0 plans each step (`StepPlan`), hands it to the other ranks, and samples;
+the others `follow` the plan, taking part in the collectives inside the model.
 """
 
 from __future__ import annotations
 
 import logging
-import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
 from paged_llm.config import EngineConfig
+from paged_llm.distributed.group import TensorParallelGroup
 from paged_llm.engine.batch import HostBatch, attention_metadata, build_host_batch, to_device
 from paged_llm.engine.cuda_graphs import DecodeGraphs
 from paged_llm.engine.sampling_metadata import build_sampling_metadata
 from paged_llm.engine.scheduler import ScheduledBatch
 from paged_llm.engine.sequence import RawLogprobs, Sequence
-from paged_llm.layers.attention import Attention, TritonAttentionBackend, get_attention_backend
+from paged_llm.layers.attention import Attention, get_attention_backend
 from paged_llm.layers.linear import prepack_for_cpu
 from paged_llm.layers.sampler import LogprobsTensors, Sampler, compute_logprobs
 from paged_llm.loader import load_weights
 from paged_llm.models import get_model_class
+from paged_llm.models.context import ModelContext
+from paged_llm.platforms import DecodeGraphMode
 
 logger = logging.getLogger(__name__)
 
-# Share of the RAM available at start-up that the KV cache may take on CPU when no
-# kv_cache_memory_bytes is given.
-CPU_KV_CACHE_RAM_FRACTION = 0.25
 
-
-def load_model(config: EngineConfig) -> nn.Module:
-    """Build the model without initializing weights, then fill it from the checkpoint."""
+def load_model(config: EngineConfig, tp: TensorParallelGroup) -> nn.Module:
+    """Build this rank's shard of the model without initializing weights, then fill it
+    from the checkpoint."""
+    platform = config.platform
+    context = ModelContext(
+        device=platform.device,
+        max_position=config.max_model_len,
+        triton_elementwise=platform.triton_elementwise,
+        tp=tp,
+    )
     model_class = get_model_class(config.hf_config)
     with torch.device("meta"):
-        model = model_class(config.hf_config, config.max_model_len, config.device)
-    model = model.to(dtype=config.dtype).to_empty(device=config.device)
+        model = model_class(config.hf_config, context)
+    model = model.to(dtype=config.dtype).to_empty(device=platform.device)
     model.tie_weights()
     load_weights(model, config.model_dir)
-    if config.device.type == "cpu" and config.dtype in (torch.float32, torch.bfloat16):
-        prepack_for_cpu(model)
+    if platform.prepacks_linear_weights:
+        prepack_for_cpu(model, config.dtype)
     return model.eval()
 
 
-def _available_ram_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
 _PROMPT_LOGPROBS_SLICE = 512
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What every rank needs to run one step: the flat batch, and the groups of rows whose
+    logits are computed, in order (the sampling rows, then prompt-logprob rows in slices
+    that bound the ``[rows, vocab]`` logits of a long prompt)."""
+
+    host: HostBatch
+    logits_rows: list[np.ndarray]
+
+
+@dataclass(slots=True)
+class _PromptScoring:
+    """Rank 0's record of the prompt tokens a step scores."""
+
+    rows: list[int]
+    targets: list[int]
+    owners: list[tuple[Sequence, int]]  # (sequence, number of its rows)
 
 
 @dataclass(slots=True)
@@ -83,13 +103,39 @@ def _logprob_rows(tensors: LogprobsTensors, seqs: list[Sequence], field: str) ->
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int]) -> None:
+    """One rank's model, KV cache and (on rank 0) sampler.
+
+    ``announce`` is called with each step's plan before rank 0 runs it: the executor's
+    way to hand it to the other ranks.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        eos_token_ids: frozenset[int],
+        tp: TensorParallelGroup | None = None,
+        announce: Callable[[StepPlan], None] | None = None,
+    ) -> None:
         self.config = config
-        self.eos_token_ids = eos_token_ids
+        self.platform = config.platform
         self.device = config.device
+        self.eos_token_ids = eos_token_ids
         self.block_size = config.block_size
-        self.model = load_model(config)
-        self.attention_backend = get_attention_backend(config.attention_backend)
+        self.tp = tp or TensorParallelGroup()
+        self.announce = announce
+        self.sampler = Sampler()
+        self.kv_cache = torch.empty(0)
+        self.decode_graphs: DecodeGraphs | None = None
+        self._start_up()
+
+    def _start_up(self) -> None:
+        """The one start-up order, on every platform and rank: load the weights, profile one
+        full step, size and allocate the KV cache from what is left, then capture graphs.
+
+        Steps before the last run eagerly: graphs need the cache they read from.
+        """
+        self.model = load_model(self.config, self.tp)
+        self.attention_backend = get_attention_backend(self.config.attention_backend)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = self.attention_backend
@@ -97,67 +143,46 @@ class ModelRunner:
             self.kv_bytes_per_token // len(self.attention_layers),
             any(layer.sliding_window is not None for layer in self.attention_layers),
         )
-        self.sampler = Sampler()
-        self.kv_cache = torch.empty(0)
-        self.num_blocks = self._allocate_kv_cache()
-        self.decode_graphs: DecodeGraphs | None = None
-        if self._use_cuda_graphs():
-            with torch.inference_mode():
-                self.decode_graphs = DecodeGraphs(
-                    self.model,
-                    config.max_num_seqs,
-                    config.max_model_len,
-                    self.block_size,
-                    self.device,
-                )
-            logger.info("Captured CUDA graphs for decode batches of %s.", self.decode_graphs.sizes)
-
-    def _use_cuda_graphs(self) -> bool:
-        # Only the Triton backend reads nothing but device tensors, as replay requires.
-        return (
-            self.device.type == "cuda"
-            and not self.config.enforce_eager
-            and isinstance(self.attention_backend, TritonAttentionBackend)
+        budget = self.platform.kv_cache_budget_bytes(
+            self.config, self.kv_bytes_per_token, self._profile_step
         )
+        # Every rank holds the same blocks, so the smallest budget decides.
+        self.num_blocks = self._allocate_kv_cache(self.tp.min_over_ranks(budget))
+        self.decode_graphs = self._capture_decode_graphs()
+
+    def _capture_decode_graphs(self) -> DecodeGraphs | None:
+        mode = self.platform.decode_graph_mode
+        if (
+            mode is DecodeGraphMode.NONE
+            or self.config.enforce_eager
+            or not self.attention_backend.supports_decode_graphs
+            # NOTE: collectives inside captured graphs are untested; TP decodes run eagerly.
+            or self.tp.size > 1
+        ):
+            return None
+        with torch.inference_mode():
+            graphs = DecodeGraphs(
+                self.model,
+                self.config.max_num_seqs,
+                self.config.max_model_len,
+                self.block_size,
+                self.device,
+                capture=mode is DecodeGraphMode.CAPTURE,
+            )
+        logger.info("Decode graphs (%s) for batches of %s.", mode.value, graphs.sizes)
+        return graphs
 
     # ----- KV cache -------------------------------------------------------------------
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """2 (K and V) x layers x kv heads x head dim x bytes per element."""
+        """2 (K and V) x layers x this rank's kv heads x head dim x bytes per element."""
         first = self.attention_layers[0]
         element_size = torch.empty(0, dtype=self.config.dtype).element_size()
         return 2 * len(self.attention_layers) * first.num_kv_heads * first.head_dim * element_size
 
-    def _kv_cache_budget_bytes(self) -> int:
+    def _allocate_kv_cache(self, budget: int) -> int:
         config = self.config
-        if config.kv_cache_memory_bytes is not None:
-            return config.kv_cache_memory_bytes
-        if self.device.type == "cuda":
-            return self._profile_gpu_budget_bytes()
-        # A CPU has no profiling pass to learn from; take a fixed share of free RAM, and
-        # no more than max_num_seqs full-length sequences could ever use.
-        most_useful = config.max_num_seqs * config.max_model_len * self.kv_bytes_per_token
-        return min(int(_available_ram_bytes() * CPU_KV_CACHE_RAM_FRACTION), most_useful)
-
-    def _profile_gpu_budget_bytes(self) -> int:
-        """What is left of ``gpu_memory_utilization`` of the device after the weights and
-        the activations of one full step (measured by running one)."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._dummy_run(self.config.max_num_batched_tokens)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        # Memory other processes and the CUDA context hold is unavailable to us as well.
-        free, _ = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        return int(total * self.config.gpu_memory_utilization) - peak - used_by_others
-
-    def _allocate_kv_cache(self) -> int:
-        config = self.config
-        budget = self._kv_cache_budget_bytes()
         bytes_per_block = self.kv_bytes_per_token * self.block_size
         num_blocks = max(budget // bytes_per_block, 0)
         blocks_per_seq = -(-config.max_model_len // self.block_size)
@@ -165,8 +190,8 @@ class ModelRunner:
             fits = num_blocks * self.block_size
             knob = (
                 "kv_cache_memory_bytes"
-                if config.kv_cache_memory_bytes is not None or self.device.type == "cpu"
-                else "gpu_memory_utilization (or kv_cache_memory_bytes)"
+                if config.kv_cache_memory_bytes is not None
+                else self.platform.kv_budget_setting
             )
             raise ValueError(
                 f"The KV cache cannot hold one sequence of max_model_len={config.max_model_len} "
@@ -174,10 +199,7 @@ class ModelRunner:
                 f"{max(budget, 0) / 2**30:.3f} GiB are available for the cache "
                 f"({fits} tokens). Raise {knob}, or lower max_model_len to at most {fits}."
             )
-        first = self.attention_layers[0]
-        shape = self.attention_backend.kv_cache_shape(
-            num_blocks, self.block_size, first.num_kv_heads, first.head_dim
-        )
+        shape = self._kv_cache_shape(num_blocks)
         # NOTE: zero-filled, not empty: attention reads whole blocks and masks the unused
         # tail, and a NaN bit pattern there would survive a zero weight.
         self.kv_cache = torch.zeros(
@@ -185,46 +207,55 @@ class ModelRunner:
         )
         for i, layer in enumerate(self.attention_layers):
             layer.key_cache, layer.value_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); maximum concurrency at "
-            "max_model_len=%d: %.2fx.",
-            num_blocks,
-            self.block_size,
-            num_blocks * self.block_size,
-            self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
-            config.max_model_len,
-            num_blocks / blocks_per_seq,
-        )
+        if self.tp.is_first:
+            logger.info(
+                "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB per rank); maximum "
+                "concurrency at max_model_len=%d: %.2fx.",
+                num_blocks,
+                self.block_size,
+                num_blocks * self.block_size,
+                self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
+                config.max_model_len,
+                num_blocks / blocks_per_seq,
+            )
         return num_blocks
 
-    def _dummy_run(self, num_tokens: int) -> None:
-        """A forward pass over ``num_tokens`` fresh prompt tokens, with a throwaway cache."""
+    def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        first = self.attention_layers[0]
+        return self.attention_backend.kv_cache_shape(
+            num_blocks, self.block_size, first.num_kv_heads, first.head_dim
+        )
+
+    def _profile_step(self) -> None:
+        """The largest step the scheduler can send: ``max_num_batched_tokens`` fresh prompt
+        tokens, sampled in as many sequences as the budget makes, with a throwaway cache."""
+        num_tokens = self.config.max_num_batched_tokens
         seq_len = min(num_tokens, self.config.max_model_len)
         seq_lens = [seq_len] * (num_tokens // seq_len)
         if num_tokens % seq_len:
             seq_lens.append(num_tokens % seq_len)
         blocks_per_seq = -(-seq_len // self.block_size)
-        first = self.attention_layers[0]
-        shape = self.attention_backend.kv_cache_shape(
-            blocks_per_seq * len(seq_lens), self.block_size, first.num_kv_heads, first.head_dim
+        scratch = torch.zeros(
+            (2, *self._kv_cache_shape(blocks_per_seq * len(seq_lens))),
+            dtype=self.config.dtype,
+            device=self.device,
         )
-        scratch = torch.zeros((2, *shape), dtype=self.config.dtype, device=self.device)
         for layer in self.attention_layers:
             layer.key_cache, layer.value_cache = scratch[0], scratch[1]
-        block_tables = [
-            list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(seq_lens))
-        ]
-        batch = build_host_batch(
+        host = build_host_batch(
             token_ids=[[0] * n for n in seq_lens],
             num_computed=[0] * len(seq_lens),
             num_scheduled=seq_lens,
-            block_tables=block_tables,
+            block_tables=[
+                list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+                for i in range(len(seq_lens))
+            ],
             samples=[True] * len(seq_lens),
             block_size=self.block_size,
         )
         with torch.inference_mode():
-            hidden = self._forward(batch)
-            self.model.compute_logits(hidden[to_device(batch.logits_indices, self.device)])
+            for _ in self._run(StepPlan(host, [host.logits_indices])):
+                pass
 
     # ----- one step -------------------------------------------------------------------
 
@@ -232,11 +263,28 @@ class ModelRunner:
         """Hidden states of every token of the batch (a CUDA graph replay when one fits)."""
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             return self.decode_graphs.run(batch)
-        device = self.device
-        metadata = attention_metadata(batch, self.block_size, self.attention_backend, device)
+        platform = self.platform
+        metadata = attention_metadata(batch, self.block_size, self.attention_backend, platform)
         return self.model(
-            to_device(batch.input_ids, device), to_device(batch.positions, device), metadata
+            to_device(batch.input_ids, platform), to_device(batch.positions, platform), metadata
         )
+
+    def _run(self, plan: StepPlan) -> Iterator[torch.Tensor | None]:
+        """The forward pass, then the logits of each group of rows in turn (None on ranks
+        other than 0, and for an empty group). Every rank runs the same sequence of
+        collectives, so each must consume the whole iterator."""
+        hidden = self._forward(plan.host)
+        for rows in plan.logits_rows:
+            if len(rows) == 0:
+                yield None
+                continue
+            yield self.model.compute_logits(hidden[to_device(rows, self.platform)])
+
+    @torch.inference_mode()
+    def follow(self, plan: StepPlan) -> None:
+        """A rank other than 0: run rank 0's step over this rank's shard."""
+        for _ in self._run(plan):
+            pass
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
@@ -250,17 +298,30 @@ class ModelRunner:
             samples=batch.samples,
             block_size=self.block_size,
         )
-        hidden = self._forward(host)
+        scoring = self._plan_prompt_scoring(batch, host.query_start_loc.tolist())
+        plan = StepPlan(
+            host,
+            [
+                host.logits_indices,
+                *(
+                    np.asarray(scoring.rows[start : start + _PROMPT_LOGPROBS_SLICE])
+                    for start in range(0, len(scoring.rows), _PROMPT_LOGPROBS_SLICE)
+                ),
+            ],
+        )
+        if self.announce is not None:
+            self.announce(plan)
+        logits_groups = self._run(plan)
+        sampling_logits = next(logits_groups)
         output = StepOutput(
             sampled_token_ids=[],
             logprobs=None,
-            prompt_logprobs=self._prompt_logprobs(batch, host.query_start_loc.tolist(), hidden),
+            prompt_logprobs=self._score_prompts(scoring, logits_groups),
         )
         sampling_seqs = batch.sampling_seqs
-        if not sampling_seqs:
+        if sampling_logits is None:
             return output
-        logits_indices = to_device(host.logits_indices, self.device)
-        logits = self.model.compute_logits(hidden[logits_indices]).float()
+        logits = sampling_logits.float()
         metadata = build_sampling_metadata(
             sampling_seqs, logits.shape[-1], self.eos_token_ids, self.device
         )
@@ -277,14 +338,12 @@ class ModelRunner:
             ]
         return output
 
-    def _prompt_logprobs(
-        self, batch: ScheduledBatch, query_start_loc: list[int], hidden: torch.Tensor
-    ) -> dict[int, list[RawLogprobs]]:
-        """Score the prompt tokens that this step's chunks predict and that are not scored
-        yet: the hidden state at position p gives the logprob of prompt token p + 1."""
-        rows: list[int] = []
-        targets: list[int] = []
-        owners: list[tuple[Sequence, int]] = []  # (sequence, number of its rows)
+    def _plan_prompt_scoring(
+        self, batch: ScheduledBatch, query_start_loc: list[int]
+    ) -> _PromptScoring:
+        """The prompt tokens that this step's chunks predict and that are not scored yet:
+        the hidden state at position p gives the logprob of prompt token p + 1."""
+        scoring = _PromptScoring(rows=[], targets=[], owners=[])
         for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_scheduled_tokens, strict=True)):
             if seq.index != 0 or not seq.request.needs_prompt_logprobs:
                 continue
@@ -293,33 +352,39 @@ class ModelRunner:
             if start >= end:
                 continue
             offset = query_start_loc[i] - seq.num_computed_tokens
-            rows.extend(range(offset + start, offset + end))
-            targets.extend(seq.token_ids[start + 1 : end + 1])
-            owners.append((seq, end - start))
-        if not rows:
+            scoring.rows.extend(range(offset + start, offset + end))
+            scoring.targets.extend(seq.token_ids[start + 1 : end + 1])
+            scoring.owners.append((seq, end - start))
+        return scoring
+
+    def _score_prompts(
+        self, scoring: _PromptScoring, logits_slices: Iterator[torch.Tensor | None]
+    ) -> dict[int, list[RawLogprobs]]:
+        """Logprobs of the planned prompt tokens, from the logits of their row slices."""
+        if not scoring.rows:
             return {}
-        wanted = [seq.sampling_params.prompt_logprobs for seq, _ in owners]
+        wanted = [seq.sampling_params.prompt_logprobs for seq, _ in scoring.owners]
         num_top = -1 if -1 in wanted else max(wanted)
-        row_index = torch.tensor(rows, device=self.device)
-        target_ids = torch.tensor(targets, device=self.device)
+        target_ids = torch.tensor(scoring.targets, device=self.device)
         scored: list[LogprobsTensors] = []
-        # Slices bound the [rows, vocab] logits a long prompt would otherwise need at once.
-        for start in range(0, len(rows), _PROMPT_LOGPROBS_SLICE):
-            part = slice(start, start + _PROMPT_LOGPROBS_SLICE)
-            logits = self.model.compute_logits(hidden[row_index[part]]).float()
-            logprobs = torch.log_softmax(logits, dim=-1)
+        for start, logits in zip(
+            range(0, len(scoring.rows), _PROMPT_LOGPROBS_SLICE), logits_slices, strict=True
+        ):
+            assert logits is not None
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
             k = logprobs.shape[-1] if num_top == -1 else num_top
+            part = slice(start, start + _PROMPT_LOGPROBS_SLICE)
             scored.append(compute_logprobs(logprobs, target_ids[part], k))
         merged = LogprobsTensors(
             token_ids=torch.cat([s.token_ids for s in scored]),
             logprobs=torch.cat([s.logprobs for s in scored]),
             ranks=torch.cat([s.ranks for s in scored]),
         )
-        row_seqs = [seq for seq, count in owners for _ in range(count)]
+        row_seqs = [seq for seq, count in scoring.owners for _ in range(count)]
         all_rows = _logprob_rows(merged, row_seqs, "prompt_logprobs")
         result: dict[int, list[RawLogprobs]] = {}
         position = 0
-        for seq, count in owners:
+        for seq, count in scoring.owners:
             result[seq.seq_id] = all_rows[position : position + count]
             position += count
         return result
@@ -332,5 +397,4 @@ class ModelRunner:
         self.decode_graphs = None
         self.kv_cache = torch.empty(0)
         self.model = nn.Module()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.platform.empty_cache()

@@ -12,11 +12,16 @@ from paged_llm.layers.kernels import triton_kernels
 class SiluAndMul(nn.Module):
     """``silu(gate) * up`` for an input ``[T, 2 * I]`` holding ``[gate | up]``.
 
-    On CUDA this is one Triton kernel: one read of the input, one write of the output.
+    With ``use_triton`` (the platform's choice) this is one Triton kernel: one read of the
+    input, one write of the output.
     """
 
+    def __init__(self, use_triton: bool = False) -> None:
+        super().__init__()
+        self.use_triton = use_triton
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
+        if self.use_triton:
             return triton_kernels().silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         # In place on silu's fresh output: one large temporary instead of two (measured

@@ -9,19 +9,21 @@ from paged_llm.layers.kernels import triton_kernels
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, use_triton: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.use_triton = use_triton
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``.
 
-        On CUDA this is one Triton kernel (which updates ``residual`` in place).
+        With ``use_triton`` (the platform's choice) this is one Triton kernel, which updates
+        ``residual`` in place.
         """
-        if x.is_cuda:
+        if self.use_triton:
             kernels = triton_kernels()
             if residual is not None:
                 return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)

@@ -1,25 +1,36 @@
-"""Linear layers: a oneDNN fast path on CPU, and packing of several projections into one."""
+"""Linear layers: a oneDNN fast path on CPU, projections packed into one matmul, and
+their tensor-parallel forms (column-parallel packs, row-parallel with one all-reduce)."""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from paged_llm.distributed.group import TensorParallelGroup
+from paged_llm.layers.weights import CheckpointTensor
 
 # Batch size oneDNN tunes a packed weight for; measured flat from 16 to 2048 rows.
 _PACK_BATCH_HINT = 64
 
 
 @functools.cache
-def onednn_linear_available() -> bool:
-    """Whether this torch build has oneDNN's packed-weight linear (x86 builds do)."""
+def onednn_linear_available(dtype: torch.dtype) -> bool:
+    """Whether this torch build and processor run oneDNN's packed-weight linear in ``dtype``
+    (x86 builds do in float32; bfloat16 needs AVX-512 or AVX-NE-CONVERT)."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        return hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(
-            torch.ops.mkldnn, "_reorder_linear_weight"
+        if not (
+            hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        ):
+            return False
+        return dtype == torch.float32 or (
+            dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         )
     except RuntimeError:
         return False
@@ -44,16 +55,17 @@ class Linear(nn.Linear):
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(x, self.bias)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(
-                x, self.packed_weight, self.bias, "none", [], ""
-            )
-        return F.linear(x, self.weight, self.bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
 
 
-def prepack_for_cpu(model: nn.Module) -> None:
-    """Switch every `Linear` of a CPU model to oneDNN, when this torch build has it."""
-    if not onednn_linear_available():
+def prepack_for_cpu(model: nn.Module, dtype: torch.dtype) -> None:
+    """Switch every `Linear` of a CPU model to oneDNN, where it runs in ``dtype`` here."""
+    if not onednn_linear_available(dtype):
         return
     uses = {}
     for _, param in model.named_parameters(remove_duplicate=False):
@@ -63,22 +75,83 @@ def prepack_for_cpu(model: nn.Module) -> None:
             module.prepack(keep_dense_weight=uses[id(module.weight)] > 1)
 
 
-class PackedLinear(Linear):
-    """One matmul for several projections of the same input (q/k/v, or gate/up).
+@dataclass(frozen=True, slots=True)
+class RowShard:
+    """The checkpoint rows ``[start, start + size)`` one projection keeps on this rank."""
 
-    The checkpoint stores each projection separately; `load_shard` copies one of them
-    into its rows of the packed weight.
+    start: int
+    size: int
+
+    @classmethod
+    def of_heads(
+        cls, tp: TensorParallelGroup, num_heads: int, head_dim: int
+    ) -> tuple[RowShard, int]:
+        """This rank's whole heads of a projection with ``num_heads``, and how many.
+
+        With fewer heads than ranks each head is replicated on ``size // num_heads``
+        consecutive ranks, so every rank holds one whole head.
+        """
+        heads_per_rank = max(num_heads // tp.size, 1)
+        first_head = tp.rank * num_heads // tp.size
+        return cls(first_head * head_dim, heads_per_rank * head_dim), heads_per_rank
+
+
+class PackedLinear(Linear):
+    """One matmul for several projections of the same input (q/k/v, or gate/up), each
+    split over the tensor-parallel ranks by output rows (column parallel).
+
+    The checkpoint stores each projection separately and whole; `load_weight` copies this
+    rank's rows of one of them into its place in the packed weight.
     """
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
-        super().__init__(in_features, sum(output_sizes), bias=bias)
-        self.output_sizes = output_sizes
-        self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
+    def __init__(self, in_features: int, shards: list[RowShard], bias: bool) -> None:
+        super().__init__(in_features, sum(shard.size for shard in shards), bias=bias)
+        self.shards = shards
+        self.output_sizes = [shard.size for shard in shards]
+        self.offsets = [sum(self.output_sizes[:i]) for i in range(len(shards))]
 
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int) -> None:
-        start, size = self.offsets[shard], self.output_sizes[shard]
-        if loaded.shape[0] != size:
+    @property
+    def num_checkpoint_shards(self) -> int:
+        return len(self.shards)
+
+    def load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard: int | None) -> None:
+        if shard is None:
             raise ValueError(
-                f"checkpoint shard {shard} has {loaded.shape[0]} rows, the model expects {size}"
+                f"Checkpoint weight {loaded.name!r} is already packed; paged_llm loads the "
+                "separate projections (q_proj, k_proj, v_proj, gate_proj, up_proj)."
             )
-        param.data[start : start + size].copy_(loaded)
+        index = shard
+        part = self.shards[index]
+        if loaded.shape[0] < part.start + part.size:
+            raise ValueError(
+                f"Checkpoint weight {loaded.name!r} has {loaded.shape[0]} rows, the model "
+                f"expects at least {part.start + part.size}."
+            )
+        offset = self.offsets[index]
+        param.data[offset : offset + part.size].copy_(loaded.read(rows=(part.start, part.size)))
+
+
+class RowParallelLinear(Linear):
+    """A projection whose input features are split over the ranks (the attention output
+    and MLP down projections): each rank multiplies its share, one all-reduce sums them."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup
+    ) -> None:
+        super().__init__(in_features // tp.size, out_features, bias=bias)
+        self.tp = tp
+
+    def load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard: int | None) -> None:
+        if param is self.weight:
+            loaded.check_shape((self.out_features, self.in_features * self.tp.size))
+            param.data.copy_(loaded.read(cols=(self.tp.rank * self.in_features, self.in_features)))
+        else:
+            loaded.check_shape(tuple(param.shape))
+            param.data.copy_(loaded.read())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self._matmul(x, self.bias)
+        # The bias joins after the sum, so it is added once.
+        out = self.tp.all_reduce(self._matmul(x, None))
+        return out if self.bias is None else out.add_(self.bias)

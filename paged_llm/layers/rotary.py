@@ -88,15 +88,21 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(
-        self, head_dim: int, max_position: int, params: dict[str, Any], device: torch.device | str
+        self,
+        head_dim: int,
+        max_position: int,
+        params: dict[str, Any],
+        device: torch.device | str,
+        use_triton: bool = False,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.cos_sin_cache = compute_cos_sin_cache(head_dim, max_position, params, device)
+        self.use_triton = use_triton
 
     def step_rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRotation:
         """The rotation of a forward pass over tokens at ``positions``, activations in ``dtype``."""
-        if positions.is_cuda:
+        if self.use_triton:
             return StepRotation(positions, None, None)
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         # transformers rounds cos/sin to the activations' dtype and rotates in it.
@@ -107,7 +113,8 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """query ``[T, H, D]``, key ``[T, Hkv, D]``; returns the rotated pair.
 
-        On CUDA a Triton kernel rotates both in place, through whatever views they are.
+        With ``use_triton`` a Triton kernel rotates both in place, through whatever views
+        they are.
         """
         if rotation.cos is None or rotation.sin is None:
             triton_kernels().apply_rotary(query, key, rotation.positions, self.cos_sin_cache)

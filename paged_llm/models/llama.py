@@ -6,6 +6,7 @@ each query and key head before the rotation.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import torch
@@ -13,9 +14,11 @@ from torch import nn
 
 from paged_llm.layers.activation import SiluAndMul
 from paged_llm.layers.attention import Attention, AttentionMetadata
+from paged_llm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from paged_llm.layers.layernorm import RMSNorm
-from paged_llm.layers.linear import Linear, PackedLinear
+from paged_llm.layers.linear import PackedLinear, RowParallelLinear, RowShard
 from paged_llm.layers.rotary import RotaryEmbedding, StepRotation, rope_parameters
+from paged_llm.models.context import ModelContext
 
 
 def _head_dim(config: Any) -> int:
@@ -36,9 +39,13 @@ def _sliding_window(config: Any, layer_index: int) -> int | None:
 
 
 class LlamaAttention(nn.Module):
+    """Self-attention over this rank's heads: whole query heads split evenly, and whole KV
+    heads split, or replicated when there are fewer than ranks."""
+
     def __init__(
         self,
         config: Any,
+        context: ModelContext,
         layer_index: int,
         rotary: RotaryEmbedding,
         qkv_bias: bool,
@@ -46,18 +53,26 @@ class LlamaAttention(nn.Module):
         qk_norm: bool,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        tp = context.tp
         self.head_dim = _head_dim(config)
+        q_shard, self.num_heads = RowShard.of_heads(tp, config.num_attention_heads, self.head_dim)
+        kv_shard, self.num_kv_heads = RowShard.of_heads(
+            tp, config.num_key_value_heads, self.head_dim
+        )
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = PackedLinear(
-            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias
+            config.hidden_size, [q_shard, kv_shard, kv_shard], bias=qkv_bias
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, o_bias, tp
+        )
         self.rotary = rotary
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        norm = functools.partial(
+            RMSNorm, self.head_dim, config.rms_norm_eps, context.triton_elementwise
+        )
+        self.q_norm = norm() if qk_norm else None
+        self.k_norm = norm() if qk_norm else None
         self.attn = Attention(
             self.num_kv_heads,
             self.head_dim,
@@ -81,25 +96,36 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, context: ModelContext) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         size = config.intermediate_size
-        self.gate_up_proj = PackedLinear(config.hidden_size, [size, size], bias=bias)
-        self.down_proj = Linear(size, config.hidden_size, bias=bias)
-        self.act = SiluAndMul()
+        shard = RowShard(*context.tp.shard_range(size))
+        self.gate_up_proj = PackedLinear(config.hidden_size, [shard, shard], bias=bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias, context.tp)
+        self.act = SiluAndMul(context.triton_elementwise)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_index: int, rotary: RotaryEmbedding, **attn_flags: bool):
+    def __init__(
+        self,
+        config: Any,
+        context: ModelContext,
+        layer_index: int,
+        rotary: RotaryEmbedding,
+        **attn_flags: bool,
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_index, rotary, **attn_flags)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        norm = functools.partial(
+            RMSNorm, config.hidden_size, config.rms_norm_eps, context.triton_elementwise
+        )
+        self.input_layernorm = norm()
+        self.self_attn = LlamaAttention(config, context, layer_index, rotary, **attn_flags)
+        self.post_attention_layernorm = norm()
+        self.mlp = LlamaMLP(config, context)
 
     def forward(
         self,
@@ -132,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias: ClassVar[bool | None] = None  # None: the config's attention_bias decides
     qk_norm: ClassVar[bool] = False
 
-    def __init__(self, config: Any, max_position: int, device: torch.device) -> None:
+    def __init__(self, config: Any, context: ModelContext) -> None:
         super().__init__()
         self.config = config
         attention_bias = getattr(config, "attention_bias", False)
@@ -143,16 +169,24 @@ class LlamaForCausalLM(nn.Module):
         }
         # One table for all layers; each forward looks up its positions once.
         self.rotary = RotaryEmbedding(
-            _head_dim(config), max_position, rope_parameters(config), device
+            _head_dim(config),
+            context.max_position,
+            rope_parameters(config),
+            context.device,
+            context.triton_elementwise,
         )
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, context.tp
+        )
         self.model.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary, **attn_flags)
+            LlamaDecoderLayer(config, context, i, self.rotary, **attn_flags)
             for i in range(config.num_hidden_layers)
         )
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, context.triton_elementwise
+        )
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, context.tp)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -173,5 +207,6 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits of ``hidden``'s rows over the vocabulary (None on ranks other than 0)."""
         return self.lm_head(hidden)

@@ -40,6 +40,9 @@ class AttentionBackend(abc.ABC):
     """A way to store keys/values in the paged cache and attend over it."""
 
     name: ClassVar[str]
+    # Whether a step can run from static device buffers alone, as a CUDA graph replays it
+    # (a backend that reads host-side metadata, such as per-sequence lengths, cannot).
+    supports_decode_graphs: ClassVar[bool] = False
 
     @staticmethod
     def kv_cache_shape(

@@ -16,6 +16,7 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
+    supports_decode_graphs = True
 
     def __init__(self) -> None:
         self._kernels = triton_kernels()

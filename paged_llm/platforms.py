@@ -1,0 +1,230 @@
+"""Everything that differs between the devices paged_llm runs on, asked of one object.
+
+The model runner, the layers and the CUDA-graph code never test ``device.type`` or
+``x.is_cuda``: they ask the `Platform` of the engine what applies (memory accounting,
+the KV budget, pinned copies, CUDA graphs, the Triton element-wise kernels). A platform
+is chosen once, in `EngineConfig.create`, from the ``device`` argument; tests pass a fake
+GPU platform there to run the GPU start-up on a CPU.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from paged_llm.config import EngineConfig
+
+# Share of the RAM available at start-up that the KV cache may take on CPU when no
+# kv_cache_memory_bytes is given.
+CPU_KV_CACHE_RAM_FRACTION = 0.25
+
+
+class DecodeGraphMode(enum.Enum):
+    """How decode-only steps run."""
+
+    NONE = "none"  # eagerly, over the step's own tensors
+    CAPTURE = "capture"  # replayed CUDA graphs over static, padded buffers
+    # The same static, padded buffers run eagerly: the graph path's batching without a GPU.
+    STATIC_EAGER = "static-eager"
+
+
+@dataclass(frozen=True, slots=True)
+class MemorySnapshot:
+    """Device memory as the allocator and the driver see it, in bytes."""
+
+    total: int
+    free: int  # free on the device, whoever else uses it
+    reserved: int  # held by this process's caching allocator
+
+
+def triton_interpreter_enabled() -> bool:
+    """Whether Triton runs kernels on CPU tensors: TRITON_INTERPRET, read as Triton reads it."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return False
+    return bool(knobs.runtime.interpret)
+
+
+class Platform:
+    """One kind of device, and what paged_llm may use of it."""
+
+    name: ClassVar[str]
+    # Capabilities; a subclass declares them, callers only read them.
+    decode_graph_mode: ClassVar[DecodeGraphMode] = DecodeGraphMode.NONE
+    triton_elementwise: ClassVar[bool] = False
+    default_attention_backend: ClassVar[str] = "torch"
+    # torch.distributed backend of the tensor-parallel group.
+    distributed_backend: ClassVar[str] = "gloo"
+    # A GPU step is cheap, so big batches pay; on a CPU a step of 8192 tokens takes many
+    # seconds, and smaller steps keep latency sane.
+    default_max_num_seqs: ClassVar[int] = 64
+    default_max_num_batched_tokens: ClassVar[int] = 2048
+    # The setting to name when the KV cache is too small.
+    kv_budget_setting: ClassVar[str] = "kv_cache_memory_bytes"
+    # dtype="auto": the checkpoint's dtype, or float32 (a CPU's fast path).
+    auto_dtype_from_checkpoint: ClassVar[bool] = False
+    # Linear layers run from oneDNN-packed weights (float32 and bfloat16).
+    prepacks_linear_weights: ClassVar[bool] = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.device})"
+
+    def device_count(self) -> int | None:
+        """Devices of this kind that ranks can use; None: no limit (processes share one)."""
+        return None
+
+    def runs_triton(self) -> bool:
+        """Whether Triton kernels can run on this platform's tensors."""
+        return self.device.type == "cuda" or triton_interpreter_enabled()
+
+    def kv_cache_budget_bytes(
+        self, config: EngineConfig, kv_bytes_per_token: int, profile_step: Callable[[], None]
+    ) -> int:
+        """Bytes the KV cache may take; ``profile_step`` runs the largest step once."""
+        raise NotImplementedError
+
+    def host_to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor on this platform's device, without blocking the host."""
+        return tensor
+
+    def synchronize(self) -> None:
+        """Wait for queued device work."""
+
+    def empty_cache(self) -> None:
+        """Hand the allocator's unused cached memory back to the device."""
+
+    def for_rank(self, rank: int) -> Platform:
+        """The platform of tensor-parallel rank ``rank`` (rank 0 is this one)."""
+        return self
+
+    def enter_rank_process(self, tp_size: int) -> None:
+        """Make this process fit to be one of ``tp_size`` ranks on the machine."""
+
+
+class CpuPlatform(Platform):
+    """The host's own processor: oneDNN and the torch attention backend."""
+
+    name = "cpu"
+    prepacks_linear_weights = True
+
+    def enter_rank_process(self, tp_size: int) -> None:
+        # NOTE: ranks share the cores; more threads than cores in all makes every
+        # collective wait for a rank the OS has parked.
+        if tp_size > 1:
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // tp_size))
+
+    def kv_cache_budget_bytes(
+        self, config: EngineConfig, kv_bytes_per_token: int, profile_step: Callable[[], None]
+    ) -> int:
+        # NOTE: profile_step is not run: a CPU has no allocator statistics to learn from,
+        # so the cache takes a fixed share of free RAM, and no more than max_num_seqs
+        # full-length sequences could ever use.
+        if config.kv_cache_memory_bytes is not None:
+            return config.kv_cache_memory_bytes
+        most_useful = config.max_num_seqs * config.max_model_len * kv_bytes_per_token
+        return min(int(available_ram_bytes() * CPU_KV_CACHE_RAM_FRACTION), most_useful)
+
+
+class CudaPlatform(Platform):
+    """An NVIDIA GPU: profiled KV sizing, pinned copies, CUDA graphs, Triton kernels."""
+
+    name = "cuda"
+    decode_graph_mode = DecodeGraphMode.CAPTURE
+    triton_elementwise = True
+    default_attention_backend = "triton"
+    distributed_backend = "nccl"
+    default_max_num_seqs = 256
+    default_max_num_batched_tokens = 8192
+    kv_budget_setting = "gpu_memory_utilization (or kv_cache_memory_bytes)"
+    auto_dtype_from_checkpoint = True
+
+    def device_count(self) -> int | None:
+        return torch.cuda.device_count()
+
+    def kv_cache_budget_bytes(
+        self, config: EngineConfig, kv_bytes_per_token: int, profile_step: Callable[[], None]
+    ) -> int:
+        """What is left of ``gpu_memory_utilization`` of the device after the weights, the
+        activations of one full step (measured by running one) and other processes."""
+        # NOTE: the step runs even with kv_cache_memory_bytes set: it is also the warm-up
+        # that compiles the kernels before graphs are captured.
+        self.empty_cache()
+        self.reset_peak_memory()
+        profile_step()
+        self.synchronize()
+        peak = self.peak_memory_bytes()
+        self.empty_cache()
+        if config.kv_cache_memory_bytes is not None:
+            return config.kv_cache_memory_bytes
+        memory = self.memory_snapshot()
+        # Memory other processes and the CUDA context hold is unavailable to us as well.
+        used_by_others = memory.total - memory.free - memory.reserved
+        return int(memory.total * config.gpu_memory_utilization) - peak - used_by_others
+
+    # Memory accounting: the primitives a fake GPU replaces with numbers of its own.
+
+    def memory_snapshot(self) -> MemorySnapshot:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return MemorySnapshot(total, free, torch.cuda.memory_reserved(self.device))
+
+    def reset_peak_memory(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_memory_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def host_to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def for_rank(self, rank: int) -> Platform:
+        index = self.device.index or 0
+        return type(self)(torch.device("cuda", index + rank))
+
+    def enter_rank_process(self, tp_size: int) -> None:
+        torch.cuda.set_device(self.device)
+
+
+def get_platform(device: str | torch.device | Platform) -> Platform:
+    """The platform for an `LLM`'s ``device`` argument."""
+    if isinstance(device, Platform):
+        return device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}.")
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' was requested but no CUDA device is available.")
+        return CudaPlatform(resolved)
+    return CpuPlatform(resolved)
+
+
+def available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
