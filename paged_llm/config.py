@@ -19,7 +19,6 @@ _DTYPES = {
 }
 
 
-
 def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, platform: Platform) -> torch.dtype:
     """``"auto"``: float32 on CPU (its fast path), the checkpoint's dtype on GPU."""
     if isinstance(dtype, torch.dtype):

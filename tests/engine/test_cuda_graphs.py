@@ -30,9 +30,7 @@ def test_padded_static_decode_batches_equal_the_plain_path(
     ) as llm:
         expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         runner = llm.engine.model_runner
-        graphs = DecodeGraphs(
-            runner.model, 8, 128, runner.block_size, runner.device, capture=False
-        )
+        graphs = DecodeGraphs(runner.model, 8, 128, runner.block_size, runner.device, capture=False)
         decode_batch_sizes = []
         run = graphs.run
         monkeypatch.setattr(

@@ -1,0 +1,112 @@
+"""The tensor-parallel group: the ranks one model is split over, and their collectives.
+
+A real ``torch.distributed`` process group (gloo on CPU, NCCL on GPU), built from its own
+TCPStore rather than through ``init_process_group``: that leaves the user's process free
+of global distributed state, so several engines can live side by side and shut down
+cleanly. Everything binds 127.0.0.1: the ranks of a group are processes of one machine.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+LOOPBACK = "127.0.0.1"
+# A collective waits at most this long for its peers. Ranks run the same work, so a long
+# wait means a peer is gone; a dead peer usually closes its sockets, which fails at once.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
+_STORE_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+class TensorParallelGroup:
+    """Rank ``rank`` of ``size``; with size 1 every collective is the identity."""
+
+    def __init__(
+        self,
+        rank: int = 0,
+        size: int = 1,
+        process_group: object | None = None,
+        backend: str = "gloo",
+    ) -> None:
+        self.rank = rank
+        self.size = size
+        self._group = process_group
+        self._backend = backend
+
+    @property
+    def is_first(self) -> bool:
+        """Rank 0, which schedules and samples."""
+        return self.rank == 0
+
+    def shard_range(self, total: int) -> tuple[int, int]:
+        """``(start, size)`` of this rank's share of ``total`` rows, ``total`` divisible."""
+        size = total // self.size
+        return self.rank * size, size
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks, in place."""
+        if self._group is not None:
+            self._group.allreduce([tensor]).wait()
+        return tensor
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's ``value``."""
+        if self._group is None:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64, device=self._collective_device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self._group.allreduce([tensor], opts).wait()
+        return int(tensor.item())
+
+    def gather_to_first(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's ``tensor`` concatenated along the last dimension, on rank 0 only."""
+        if self._group is None:
+            return tensor
+        tensor = tensor.contiguous()
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        if self.is_first:
+            parts = [torch.empty_like(tensor) for _ in range(self.size)]
+            self._group.gather([parts], [tensor], opts).wait()
+            return torch.cat(parts, dim=-1)
+        self._group.gather([], [tensor], opts).wait()
+        return None
+
+    @property
+    def _collective_device(self) -> torch.device:
+        # NCCL reduces device tensors only.
+        if self._backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @classmethod
+    def connect(
+        cls, backend: str, rank: int, size: int, store: dist.TCPStore
+    ) -> TensorParallelGroup:
+        """Join the group whose rendezvous is ``store`` (rank 0 created it)."""
+        prefixed = dist.PrefixStore("tp", store)
+        if backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = COLLECTIVE_TIMEOUT
+            group: object = dist.ProcessGroupNCCL(prefixed, rank, size, options)
+        else:
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = COLLECTIVE_TIMEOUT
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
+            group = dist.ProcessGroupGloo(prefixed, rank, size, options)
+        return cls(rank, size, group, backend)
+
+
+def create_store(size: int) -> dist.TCPStore:
+    """Rank 0's rendezvous on a free loopback port (``store.port``)."""
+    return dist.TCPStore(
+        LOOPBACK, 0, size, is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT
+    )
+
+
+def join_store(port: int, size: int) -> dist.TCPStore:
+    """A worker's handle on rank 0's rendezvous."""
+    return dist.TCPStore(LOOPBACK, port, size, is_master=False, timeout=_STORE_TIMEOUT)
