@@ -58,6 +58,15 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": False}),
     "qwen3": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": True}),
 }
+# Models for one concern only, kept out of TINY_MODELS so every-architecture tests do not
+# run them: one KV head (Mistral-style multi-query attention), which two tensor-parallel
+# ranks must replicate.
+SPECIAL_TINY_MODELS: dict[str, tuple[str, dict]] = {
+    "mistral-1kv": (
+        "MistralConfig",
+        {"num_key_value_heads": 1, "sliding_window": None, "tie_word_embeddings": False},
+    ),
+}
 
 
 def smollm2_gguf_path() -> Path:
@@ -98,7 +107,7 @@ def tiny_model_dir(
 
     def make(name: str) -> Path:
         if name not in made:
-            config_class, overrides = TINY_MODELS[name]
+            config_class, overrides = {**TINY_MODELS, **SPECIAL_TINY_MODELS}[name]
             config = getattr(transformers, config_class)(**{**_BASE, **overrides})
             torch.manual_seed(0)
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -82,8 +82,9 @@ class _Worker:
     def cause_of_failure(self) -> str:
         """Why the worker stopped: its traceback if it sent one, else how it exited."""
         with contextlib.suppress(EOFError, OSError):
-            while self.traceback is None and self.conn.poll():
-                self.receive()
+            # A closed pipe polls readable: stop at the first message that is not one.
+            while self.traceback is None and self.conn.poll() and self.receive() is not None:
+                pass
         if self.traceback is not None:
             return f"it raised an exception:\n{self.traceback}"
         self.process.join(_WORKER_STOP_TIMEOUT_S)
