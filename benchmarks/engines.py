@@ -57,6 +57,10 @@ class EngineOptions:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
+    # paged_llm only: ranks per replica and replicas; each process takes its share of
+    # ``threads`` cores.
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
 
 
 @dataclass
@@ -74,6 +78,9 @@ class EngineRun:
     peak_device_mib: float | None = None
     prefix_cache_hit_tokens: int | None = None
     num_preemptions: int | None = None
+    num_steps: int | None = None
+    # Seconds rank 0 waited in tensor-parallel collectives during the timed run.
+    collective_seconds: float | None = None
     settings: dict[str, Any] = field(default_factory=dict)
 
 
@@ -86,7 +93,7 @@ class Engine(ABC):
     def generate(self, requests: list[BenchRequest]) -> list[list[int]]:
         """Exactly ``max_tokens`` new tokens for each request, in request order."""
 
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> dict[str, float]:
         """Cumulative engine counters; the worker reports their change over the timed run."""
         return {}
 
@@ -116,16 +123,20 @@ class PagedLLMEngine(Engine):
             max_num_seqs=options.max_num_seqs,
             max_num_batched_tokens=options.max_num_batched_tokens,
             enable_prefix_caching=options.enable_prefix_caching,
+            tensor_parallel_size=options.tensor_parallel_size,
+            data_parallel_size=options.data_parallel_size,
         )
 
     def generate(self, requests: list[BenchRequest]) -> list[list[int]]:
         return [list(o.outputs[0].token_ids) for o in generate_greedy(self.llm, requests)]
 
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> dict[str, float]:
         metrics = self.llm.get_metrics()
         return {
             "prefix_cache_hit_tokens": metrics.prefix_cache_hit_tokens,
             "num_preemptions": metrics.num_preemptions,
+            "num_steps": metrics.num_steps,
+            "collective_seconds": metrics.collective_seconds,
         }
 
     def settings(self) -> dict[str, Any]:
@@ -135,6 +146,8 @@ class PagedLLMEngine(Engine):
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "max_model_len": config.max_model_len,
             "enable_prefix_caching": config.enable_prefix_caching,
+            "tensor_parallel_size": config.tensor_parallel_size,
+            "data_parallel_size": config.data_parallel_size,
         }
 
     def close(self) -> None:
@@ -399,6 +412,8 @@ def run_engine(name: str, options: EngineOptions, workload: Workload) -> EngineR
         ),
         prefix_cache_hit_tokens=delta.get("prefix_cache_hit_tokens"),
         num_preemptions=delta.get("num_preemptions"),
+        num_steps=delta.get("num_steps"),
+        collective_seconds=delta.get("collective_seconds"),
         settings=settings,
     )
 

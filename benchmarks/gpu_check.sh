@@ -1,21 +1,55 @@
 #!/usr/bin/env bash
-# The GPU session's one prepared run: GPU tests, kernel tests compiled for the GPU, then
-# the GPU benchmarks (random-weight models from published configs; no download needed).
+# The GPU session's one prepared run (under 8 minutes on one H200): the GPU tests, the
+# kernel tests compiled for the GPU, then the decode-step roofline and throughput
+# (paged_llm vs transformers) on random-weight Qwen3-0.6B and Llama-3.2-1B (published
+# configs; no download). Every figure lands as JSON under $OUT.
 # Usage, from the repository root: OUT=results_dir bash benchmarks/gpu_check.sh
+# SMOKE_MODEL=<tiny model dir> runs the same steps on the CPU at toy sizes with that
+# model's tokenizer and a tiny config, so a test keeps this script's commands valid.
 set -uo pipefail
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
-python -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$out/gpu.txt"
+status=0
+run() {  # run a step, keep going if it fails, and remember the failure
+    "$@" || { echo "FAILED: $*" | tee -a "$out/failures.txt"; status=1; }
+}
 
-python -m pytest -q -m gpu tests 2>&1 | tee "$out/gpu_tests.log"
-python -m pytest -q -x tests/csrc_triton 2>&1 | tee "$out/kernel_tests.log"
+if [[ -n "${SMOKE_MODEL:-}" ]]; then
+    device=cpu
+    configs=("$SMOKE_CONFIG")
+    model_args=(--model "$SMOKE_MODEL")
+    decode_args=(--batch-sizes 1,2 --context-len 32)
+    throughput_args=(--num-requests 4 --input-len 8 32 --output-len 4 8 --engines paged_llm,hf_static4)
+    tests=(tests/engine/test_gpu_start_up.py -k budget)
+    kernel_tests=(tests/csrc_triton/test_rms_norm.py)
+else
+    device=cuda
+    configs=(qwen3-0.6b llama-3.2-1b)
+    model_args=()
+    decode_args=(--batch-sizes 1,16,64 --context-len 512)
+    throughput_args=(--num-requests 256 --input-len 128 1024 --output-len 128 512
+        --engines paged_llm,hf_static64,hf_cb)
+    tests=(-m gpu tests)
+    kernel_tests=(tests/csrc_triton)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+fi
+python -c "import torch, transformers; print(torch.__version__, transformers.__version__)" | tee -a "$out/gpu.txt"
 
-python -m benchmarks.decode_step --device cuda --random-weights-config llama-3.2-1b \
-    --batch-sizes 1,16,64 --context-len 512 --out "$out/decode_llama-3.2-1b.json" 2>&1 | tee "$out/decode.log"
-python -m benchmarks.decode_step --device cuda --random-weights-config llama-3.2-1b \
-    --batch-sizes 1,16,64 --context-len 512 --enforce-eager --out "$out/decode_llama-3.2-1b_eager.json" 2>&1 | tee -a "$out/decode.log"
-python -m benchmarks.throughput --device cuda --workload a --num-requests 256 \
-    --input-len 128 1024 --output-len 128 512 --random-weights-config qwen3-0.6b \
-    --engines paged_llm,hf_static64,hf_cb --out "$out/throughput_a_qwen3-0.6b.json" 2>&1 | tee "$out/throughput.log"
+run python -m pytest -q "${tests[@]}" 2>&1 | tee "$out/gpu_tests.log"
+run python -m pytest -q -x "${kernel_tests[@]}" 2>&1 | tee "$out/kernel_tests.log"
+
+for config in "${configs[@]}"; do
+    name=$(basename "$config" .json)
+    for mode in graphs eager; do
+        flag=()
+        [[ $mode == eager ]] && flag=(--enforce-eager)
+        run python -m benchmarks.decode_step --device "$device" "${model_args[@]}" \
+            --random-weights-config "$config" "${decode_args[@]}" "${flag[@]}" \
+            --out "$out/decode_${name}_${mode}.json" 2>&1 | tee -a "$out/decode.log"
+    done
+    run python -m benchmarks.throughput --device "$device" "${model_args[@]}" --workload a \
+        --random-weights-config "$config" "${throughput_args[@]}" \
+        --out "$out/throughput_a_${name}.json" 2>&1 | tee -a "$out/throughput.log"
+done
+exit $status

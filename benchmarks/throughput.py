@@ -10,6 +10,8 @@ Run from the repository root:
     python -m benchmarks.throughput --workload a
     python -m benchmarks.throughput --workload c --compare-prefix-caching
     python -m benchmarks.throughput --device cuda --random-weights-config qwen3-0.6b
+    python -m benchmarks.throughput --engines paged_llm --tensor-parallel-size 2 \
+        --data-parallel-size 2
 """
 
 from __future__ import annotations
@@ -75,6 +77,9 @@ class EngineSummary:
     wasted_output_fraction: float
     prefix_cache_hit_tokens: int | None
     num_preemptions: int | None
+    num_steps: int | None
+    # Seconds rank 0 waited in tensor-parallel collectives.
+    collective_seconds: float | None
     settings: dict[str, Any]
 
 
@@ -147,6 +152,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the speedup; meant for --workload c",
     )
     parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="also run paged_llm on this many tensor-parallel ranks (each with its share "
+        "of --threads)",
+    )
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="also run paged_llm as this many data-parallel replicas (each with its share "
+        "of --threads)",
+    )
+    parser.add_argument(
         "--skip-roofline", action="store_true", help="do not measure matmul GFLOP/s"
     )
     parser.add_argument("--out", type=Path, default=None, help="write JSON results here")
@@ -201,6 +220,8 @@ def summarize(
         wasted_output_fraction=1 - useful_output / run.computed_output_tokens,
         prefix_cache_hit_tokens=run.prefix_cache_hit_tokens,
         num_preemptions=run.num_preemptions,
+        num_steps=run.num_steps,
+        collective_seconds=run.collective_seconds,
         settings=run.settings,
     )
 
@@ -278,6 +299,14 @@ def print_report(
         "decoded tokens nobody asked for). 'same tokens': requests whose tokens equal "
         "paged_llm's exactly."
     )
+    for s in summaries:
+        if s.collective_seconds:
+            steps = s.num_steps or 1
+            print(
+                f"{s.label}: {steps} steps; rank 0 waited {1e3 * s.collective_seconds / steps:.2f} "
+                f"ms per step in collectives ({100 * s.collective_seconds / s.wall_seconds:.0f}% "
+                "of wall time, load imbalance included)."
+            )
     for s in summaries:
         if s.prefix_cache_hit_tokens:
             print(
@@ -360,6 +389,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     replace(options, enable_prefix_caching=False),
                 ),
             ]
+        for label, size_field, size in [
+            (
+                f"paged_llm tp={args.tensor_parallel_size}",
+                "tensor_parallel_size",
+                args.tensor_parallel_size,
+            ),
+            (
+                f"paged_llm dp={args.data_parallel_size}",
+                "data_parallel_size",
+                args.data_parallel_size,
+            ),
+        ]:
+            if size > 1:
+                jobs.append((label, REFERENCE_ENGINE, replace(options, **{size_field: size})))
         runs: list[tuple[str, EngineRun]] = []
         for label, name, engine_options in jobs:
             runs.append((label, run_engine_in_subprocess(name, engine_options, workload, work_dir)))

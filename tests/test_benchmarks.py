@@ -22,6 +22,19 @@ from benchmarks.workloads import WorkloadSpec, build_workload
 # NOTE: one thread: these runs check plumbing, not speed, and on a busy 2-core machine two
 # OpenMP threads that wait on each other make every step many times slower.
 THREADS = 1
+# A random-weight architecture for --random-weights-config runs.
+TINY_QWEN3_CONFIG = {
+    "model_type": "qwen3",
+    "vocab_size": 49152,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
 
 
 @pytest.mark.parametrize("kind", ["a", "b", "c"])
@@ -125,24 +138,73 @@ def test_throughput_runs_every_engine_kind(
 
 
 @pytest.mark.slow
+def test_throughput_runs_tensor_and_data_parallel_paged_llm_beside_one_process(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "throughput.json"
+    run_module(
+        "benchmarks.throughput",
+        "--model", str(tiny_model_dir("llama")),
+        "--workload", "a",
+        "--num-requests", "6",
+        "--input-len", "8", "32",
+        "--output-len", "4", "8",
+        "--engines", "paged_llm",
+        "--tensor-parallel-size", "2",
+        "--data-parallel-size", "2",
+        "--skip-roofline",
+        "--out", str(out),
+    )  # fmt: skip
+    engines = {e["label"]: e for e in json.loads(out.read_text())["engines"]}
+    assert set(engines) == {"paged_llm", "paged_llm tp=2", "paged_llm dp=2"}
+    assert engines["paged_llm tp=2"]["settings"]["tensor_parallel_size"] == 2
+    assert engines["paged_llm dp=2"]["settings"]["data_parallel_size"] == 2
+    for label in ("paged_llm tp=2", "paged_llm dp=2"):
+        assert engines[label]["identical_to_reference"] == 1
+        assert engines[label]["num_steps"] > 0
+    assert engines["paged_llm"]["collective_seconds"] == 0
+    assert engines["paged_llm tp=2"]["collective_seconds"] > 0
+
+
+@pytest.mark.slow
+def test_gpu_check_script_runs_every_step_at_toy_sizes_on_the_cpu(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    config_path = tmp_path / "tiny-qwen3.json"
+    config_path.write_text(json.dumps(TINY_QWEN3_CONFIG))
+    out = tmp_path / "gpu"
+    env = {
+        **worker_env(THREADS),
+        "OUT": str(out),
+        "SMOKE_MODEL": str(tiny_model_dir("llama")),
+        "SMOKE_CONFIG": str(config_path),
+    }
+    completed = subprocess.run(
+        ["bash", "benchmarks/gpu_check.sh"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    assert not (out / "failures.txt").exists()
+    for mode in ("graphs", "eager"):
+        decode = json.loads((out / f"decode_tiny-qwen3_{mode}.json").read_text())
+        assert decode["results"]
+    throughput = json.loads((out / "throughput_a_tiny-qwen3.json").read_text())
+    assert {e["label"] for e in throughput["engines"]} == {"paged_llm", "hf_static4"}
+    assert "passed" in (out / "gpu_tests.log").read_text()
+
+
+@pytest.mark.slow
 def test_latency_sweep_on_a_random_weight_model(
     tiny_model_dir: Callable[[str], Path], tmp_path: Path
 ) -> None:
     # --random-weights-config builds the model from a config; --model gives the tokenizer.
-    config = {
-        "model_type": "qwen3",
-        "vocab_size": 49152,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 256,
-        "tie_word_embeddings": True,
-    }
     config_path = tmp_path / "tiny-qwen3.json"
-    config_path.write_text(json.dumps(config))
+    config_path.write_text(json.dumps(TINY_QWEN3_CONFIG))
     out = tmp_path / "latency.json"
     run_module(
         "benchmarks.latency",

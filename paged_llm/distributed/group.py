@@ -9,6 +9,7 @@ cleanly. Everything binds 127.0.0.1: the ranks of a group are processes of one m
 from __future__ import annotations
 
 import datetime
+import time
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,14 @@ class TensorParallelGroup:
         self.size = size
         self._group = process_group
         self._backend = backend
+        # Wall time spent in collectives, waiting for slower peers included.
+        self.collective_seconds = 0.0
+
+    def _run(self, work: dist.Work) -> None:
+        """Wait for an issued collective, and count the wait."""
+        started = time.perf_counter()
+        work.wait()
+        self.collective_seconds += time.perf_counter() - started
 
     @property
     def is_first(self) -> bool:
@@ -48,7 +57,7 @@ class TensorParallelGroup:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, in place."""
         if self._group is not None:
-            self._group.allreduce([tensor]).wait()
+            self._run(self._group.allreduce([tensor]))
         return tensor
 
     def min_over_ranks(self, value: int) -> int:
@@ -70,9 +79,9 @@ class TensorParallelGroup:
         opts.rootRank = 0
         if self.is_first:
             parts = [torch.empty_like(tensor) for _ in range(self.size)]
-            self._group.gather([parts], [tensor], opts).wait()
+            self._run(self._group.gather([parts], [tensor], opts))
             return torch.cat(parts, dim=-1)
-        self._group.gather([], [tensor], opts).wait()
+        self._run(self._group.gather([], [tensor], opts))
         return None
 
     @property

@@ -36,6 +36,9 @@ class EngineMetrics:
     num_preemptions: int
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
+    num_steps: int = 0
+    # Seconds rank 0 spent in tensor-parallel collectives (0 on one rank).
+    collective_seconds: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -78,6 +81,7 @@ class LLMEngine:
         self._num_requests = 0
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
+        self._num_steps = 0
 
     @property
     def model_runner(self) -> ModelRunner:
@@ -128,6 +132,7 @@ class LLMEngine:
                 "this is a bug in paged_llm."
             )
         output = self.executor.execute(batch)
+        self._num_steps += 1
         for seq in batch.seqs:
             seq.request.prompt_logprobs.extend(output.prompt_logprobs.get(seq.seq_id, ()))
         sampling_seqs = batch.sampling_seqs
@@ -167,6 +172,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queried_tokens=self.block_manager.prefix_cache_queried_tokens,
             prefix_cache_hit_tokens=self.block_manager.prefix_cache_hit_tokens,
+            num_steps=self._num_steps,
+            collective_seconds=self.model_runner.tp.collective_seconds,
         )
 
     def shutdown(self) -> None:
