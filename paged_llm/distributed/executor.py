@@ -143,8 +143,10 @@ class MultiprocExecutor:
                 worker = next(iter(pending.values()))
                 raise self._fail(worker, f"it did not start within {_WORKER_START_TIMEOUT_S} s")
             for handle in ready:
-                worker = pending.get(handle) or sentinels[handle]  # type: ignore[call-overload]
-                if handle in sentinels or worker.receive() != expected:
+                if isinstance(handle, int):  # a sentinel: the process ended
+                    raise self._fail(sentinels[handle], sentinels[handle].cause_of_failure())
+                worker = pending[handle]  # type: ignore[index]
+                if worker.receive() != expected:
                     raise self._fail(worker, worker.cause_of_failure())
                 pending.pop(worker.conn, None)
 

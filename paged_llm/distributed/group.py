@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ class TensorParallelGroup:
         self,
         rank: int = 0,
         size: int = 1,
-        process_group: object | None = None,
+        process_group: Any = None,
         backend: str = "gloo",
     ) -> None:
         self.rank = rank
@@ -66,7 +67,7 @@ class TensorParallelGroup:
             return value
         tensor = torch.tensor([value], dtype=torch.int64, device=self._collective_device)
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN
+        opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]
         self._group.allreduce([tensor], opts).wait()
         return int(tensor.item())
 
@@ -100,9 +101,9 @@ class TensorParallelGroup:
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = COLLECTIVE_TIMEOUT
-            group: object = dist.ProcessGroupNCCL(prefixed, rank, size, options)
+            group: Any = dist.ProcessGroupNCCL(prefixed, rank, size, options)
         else:
-            options = dist.ProcessGroupGloo._Options()
+            options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             options._timeout = COLLECTIVE_TIMEOUT
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
             group = dist.ProcessGroupGloo(prefixed, rank, size, options)

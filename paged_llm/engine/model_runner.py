@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import nn
 
 from paged_llm.config import EngineConfig
 from paged_llm.distributed.group import TensorParallelGroup
@@ -31,12 +30,13 @@ from paged_llm.layers.sampler import LogprobsTensors, Sampler, compute_logprobs
 from paged_llm.loader import load_weights
 from paged_llm.models import get_model_class
 from paged_llm.models.context import ModelContext
+from paged_llm.models.llama import LlamaForCausalLM
 from paged_llm.platforms import DecodeGraphMode
 
 logger = logging.getLogger(__name__)
 
 
-def load_model(config: EngineConfig, tp: TensorParallelGroup) -> nn.Module:
+def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalLM:
     """Build this rank's shard of the model without initializing weights, then fill it
     from the checkpoint."""
     platform = config.platform
@@ -363,7 +363,7 @@ class ModelRunner:
         """Logprobs of the planned prompt tokens, from the logits of their row slices."""
         if not scoring.rows:
             return {}
-        wanted = [seq.sampling_params.prompt_logprobs for seq, _ in scoring.owners]
+        wanted = [seq.sampling_params.prompt_logprobs or 0 for seq, _ in scoring.owners]
         num_top = -1 if -1 in wanted else max(wanted)
         target_ids = torch.tensor(scoring.targets, device=self.device)
         scored: list[LogprobsTensors] = []
@@ -396,5 +396,5 @@ class ModelRunner:
         self.attention_layers.clear()
         self.decode_graphs = None
         self.kv_cache = torch.empty(0)
-        self.model = nn.Module()
+        del self.model
         self.platform.empty_cache()

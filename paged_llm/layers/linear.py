@@ -67,7 +67,7 @@ def prepack_for_cpu(model: nn.Module, dtype: torch.dtype) -> None:
     """Switch every `Linear` of a CPU model to oneDNN, where it runs in ``dtype`` here."""
     if not onednn_linear_available(dtype):
         return
-    uses = {}
+    uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
     for module in model.modules():

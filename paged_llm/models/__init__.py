@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
 from paged_llm.models.llama import LlamaForCausalLM
 from paged_llm.models.qwen2 import Qwen2ForCausalLM
 from paged_llm.models.qwen3 import Qwen3ForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+# NOTE: every architecture so far is a LlamaForCausalLM with switches; the runner relies on
+# its interface (forward over a flat batch, compute_logits, tie_weights).
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     # Mistral's decoder is Llama's; its sliding window comes from the config.
     "MistralForCausalLM": LlamaForCausalLM,
@@ -19,7 +19,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-def get_model_class(hf_config: Any) -> type[nn.Module]:
+def get_model_class(hf_config: Any) -> type[LlamaForCausalLM]:
     """The class implementing the config's architecture, or a ValueError listing ours."""
     architectures = getattr(hf_config, "architectures", None) or []
     for name in architectures:

@@ -144,6 +144,27 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class LlamaModel(nn.Module):
+    """The decoder stack: embedding, layers, final norm."""
+
+    def __init__(
+        self,
+        config: Any,
+        context: ModelContext,
+        rotary: RotaryEmbedding,
+        attn_flags: dict[str, bool],
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, context.tp
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, context, i, rotary, **attn_flags)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, context.triton_elementwise)
+
+
 class LlamaForCausalLM(nn.Module):
     """Decoder-only transformer with Llama's layout and Hugging Face's parameter names."""
 
@@ -175,17 +196,7 @@ class LlamaForCausalLM(nn.Module):
             context.device,
             context.triton_elementwise,
         )
-        self.model = nn.Module()
-        self.model.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, context.tp
-        )
-        self.model.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, context, i, self.rotary, **attn_flags)
-            for i in range(config.num_hidden_layers)
-        )
-        self.model.norm = RMSNorm(
-            config.hidden_size, config.rms_norm_eps, context.triton_elementwise
-        )
+        self.model = LlamaModel(config, context, self.rotary, attn_flags)
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, context.tp)
         self.tie_weights()
 
