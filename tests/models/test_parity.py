@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import transformers
 
 from paged_llm import LLM, SamplingParams
+from paged_llm.engine.llm_engine import EngineMetrics
+from paged_llm.outputs import RequestOutput
 from tests.conftest import TINY_MODELS, hf_greedy
 
 TEXT = (
@@ -60,6 +63,51 @@ SCENARIOS: dict[str, dict] = {
 }
 
 
+def scenario_settings(model_dir: Path, scenario: str) -> tuple[dict[str, Any], bool]:
+    """The LLM keyword arguments of ``scenario`` for the tiny model in ``model_dir``, and
+    whether it runs the shared-prefix prompts."""
+    settings = dict(SCENARIOS[scenario])
+    shared_prefix = settings.pop("shared_prefix", False)
+    num_blocks = settings.pop("num_blocks", None)
+    settings.setdefault("max_model_len", 256)
+    if num_blocks is not None:
+        # Tiny models: 2 layers x 2 kv heads x head_dim x 4 bytes, K and V.
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        bytes_per_block = (
+            2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4 * 16
+        )
+        settings["kv_cache_memory_bytes"] = num_blocks * bytes_per_block
+    return settings, shared_prefix
+
+
+def generate_greedy(
+    llm: LLM, prompts: list[list[int]]
+) -> tuple[list[RequestOutput], EngineMetrics]:
+    """``MAX_TOKENS`` greedy tokens for each prompt, and the engine's counters after."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return outputs, llm.get_metrics()
+
+
+def check_scenario(
+    scenario: str,
+    outputs: list[RequestOutput],
+    metrics: EngineMetrics,
+    expected: list[list[int]],
+) -> None:
+    """The tokens are transformers', and the scenario did what it is there for."""
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    if scenario == "preemption":
+        assert metrics.num_preemptions > 0
+    if scenario == "prefix-hits":
+        assert metrics.prefix_cache_hit_tokens > 0
+        assert sum(o.num_cached_tokens for o in outputs) > 0
+
+
 @pytest.fixture(scope="module")
 def references(
     tiny_model_dir: Callable[[str], Path], tokenizer: transformers.PreTrainedTokenizerBase
@@ -98,36 +146,8 @@ def test_greedy_matches_transformers(
     tiny_model_dir: Callable[[str], Path],
     references: Callable[[str, bool], tuple[list[list[int]], list[list[int]]]],
 ) -> None:
-    settings = dict(SCENARIOS[scenario])
-    shared_prefix = settings.pop("shared_prefix", False)
-    num_blocks = settings.pop("num_blocks", None)
+    settings, shared_prefix = scenario_settings(tiny_model_dir(arch), scenario)
     prompts, expected = references(arch, shared_prefix)
-    max_model_len = settings.pop("max_model_len", 256)
-    if num_blocks is not None:
-        # Tiny models: 2 layers x 2 kv heads x head_dim x 4 bytes, K and V.
-        config = transformers.AutoConfig.from_pretrained(tiny_model_dir(arch))
-        head_dim = (
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        )
-        bytes_per_block = (
-            2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4 * 16
-        )
-        settings["kv_cache_memory_bytes"] = num_blocks * bytes_per_block
-
-    with LLM(
-        tiny_model_dir(arch),
-        max_model_len=max_model_len,
-        attention_backend=attention_backend,
-        **settings,
-    ) as llm:
-        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        metrics = llm.get_metrics()
-
-    assert [o.outputs[0].token_ids for o in outputs] == expected
-    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
-    if scenario == "preemption":
-        assert metrics.num_preemptions > 0
-    if scenario == "prefix-hits":
-        assert metrics.prefix_cache_hit_tokens > 0
-        assert sum(o.num_cached_tokens for o in outputs) > 0
+    with LLM(tiny_model_dir(arch), attention_backend=attention_backend, **settings) as llm:
+        outputs, metrics = generate_greedy(llm, prompts)
+    check_scenario(scenario, outputs, metrics, expected)
