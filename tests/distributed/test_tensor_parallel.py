@@ -6,6 +6,7 @@ left behind."""
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
 import threading
@@ -14,11 +15,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
-from paged_llm import LLM, SamplingParams
+from paged_llm import LLM, SamplingParams, cli
 from paged_llm.distributed.executor import MultiprocExecutor, WorkerError
-from tests.conftest import TINY_MODELS
+from paged_llm.platforms import CpuPlatform
+from tests.conftest import TINY_MODELS, hf_greedy
 from tests.distributed.processes import child_pids
 from tests.model_files.test_gguf import tiny_model, write_gguf
 from tests.models.test_parity import (
@@ -50,8 +53,15 @@ def _per_rank(settings: dict, model_dir: Path) -> dict:
     return settings
 
 
-@pytest.mark.parametrize("scenario", ["default", "chunked-prefill", "preemption"])
-@pytest.mark.parametrize("arch", [*TINY_MODELS, "mistral-1kv"])
+@pytest.mark.parametrize(
+    ("arch", "scenario"),
+    [
+        (arch, scenario)
+        for arch in [*TINY_MODELS, "mistral-1kv"]
+        for scenario in ["default", "chunked-prefill", "preemption"]
+    ]
+    + [("llama", "prefix-hits")],
+)
 def test_greedy_matches_transformers_on_two_ranks(
     arch: str,
     scenario: str,
@@ -151,6 +161,21 @@ def test_shutdown_and_garbage_collection_end_the_workers(
     # The fixture checks that the worker is gone.
 
 
+class WorkerFailsToStart(CpuPlatform):
+    """A CPU platform whose workers raise as they start (pickled into the worker)."""
+
+    def for_rank(self, rank: int) -> CpuPlatform:
+        raise RuntimeError(f"rank {rank} has no device")
+
+
+def test_a_worker_that_raises_at_start_up_fails_the_llm_with_its_traceback(
+    tiny_model_dir: Callable[[str], Path],
+) -> None:
+    platform = WorkerFailsToStart(torch.device("cpu"))
+    with pytest.raises(WorkerError, match=r"(?s)rank 1 failed: it raised.*rank 1 has no device"):
+        LLM(tiny_model_dir("llama"), max_model_len=128, tensor_parallel_size=TP, device=platform)
+
+
 def test_sizes_that_do_not_split_the_model_are_refused_naming_those_that_do(
     tiny_model_dir: Callable[[str], Path],
 ) -> None:
@@ -175,3 +200,43 @@ def test_a_gguf_file_with_an_odd_vocabulary_splits_over_two_ranks(
         with LLM(gguf_path, max_model_len=128, tensor_parallel_size=tp) as llm:
             results.append(_summary(llm.generate(prompts, params, use_tqdm=False)))
     assert results[0] == results[1]
+
+
+def test_the_cli_on_two_ranks_writes_transformers_greedy_completions(
+    tiny_model_dir: Callable[[str], Path],
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    tmp_path: Path,
+) -> None:
+    model_dir = tiny_model_dir("qwen3")
+    prompts = [f"Row {i}: the quick brown fox {'jumps ' * i}over" for i in range(5)]
+    source = tmp_path / "in.jsonl"
+    source.write_text(
+        "".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(prompts))
+    )
+    output = tmp_path / "out.jsonl"
+    argv = ["generate", "-i", str(source), "-o", str(output), "--model", str(model_dir)]
+    argv += ["--max-model-len", "128", "--no-progress", "--temperature", "0", "--max-tokens", "12"]
+    assert cli.main([*argv, "--ignore-eos", "--tensor-parallel-size", str(TP)]) == 0
+    rows = {row["id"]: row for row in map(json.loads, output.read_text().splitlines())}
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    for i, prompt in enumerate(prompts):
+        tokens = hf_greedy(reference, tokenizer(prompt)["input_ids"], 12)
+        (completion,) = rows[i]["outputs"]
+        assert completion["text"] == tokenizer.decode(tokens, skip_special_tokens=True)
+        assert completion["completion_tokens"] == 12
+
+
+@pytest.mark.slow
+def test_two_replicas_of_two_ranks_each_match_one_process(
+    tiny_model_dir: Callable[[str], Path],
+    references: Callable[[str, bool], tuple[list[list[int]], list[list[int]]]],
+) -> None:
+    model_dir = tiny_model_dir("llama")
+    prompts, expected = references("llama", False)
+    before = child_pids()
+    with LLM(model_dir, max_model_len=256, tensor_parallel_size=TP, data_parallel_size=2) as llm:
+        # Two replicas, each with one worker of its own.
+        outputs, metrics = generate_greedy(llm, prompts)
+    check_scenario("default", outputs, metrics, expected)
+    assert metrics.collective_seconds > 0
+    assert child_pids() - before == set()
