@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from paged_llm.config import EngineConfig
+from paged_llm.distributed.data_parallel import DataParallelEngine, ReplicasLostError
 from paged_llm.engine.llm_engine import EngineMetrics, LLMEngine
 from paged_llm.model_files import resolve_model
 from paged_llm.outputs import RequestOutput
@@ -46,14 +48,16 @@ class GenerationStream:
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: LLMEngine | DataParallelEngine,
         requests: list[PreparedRequest],
         use_tqdm: bool | Callable[..., tqdm],
+        skip_errors: bool = False,
     ) -> None:
         self.num_requests = len(requests)
         self._engine = engine
         self._requests = requests
         self._use_tqdm = use_tqdm
+        self._skip_errors = skip_errors
         self._iterator: Iterator[tuple[int, RequestOutput]] | None = None
 
     def __iter__(self) -> Iterator[tuple[int, RequestOutput]]:
@@ -95,7 +99,17 @@ class GenerationStream:
                     request.bad_words_token_ids,
                 )
             while engine.has_unfinished():
-                for output in engine.step():
+                try:
+                    outputs = engine.step()
+                except ReplicasLostError as error:
+                    if not self._skip_errors:
+                        raise
+                    for request_id in error.request_ids:
+                        request = self._requests[order[request_id]]
+                        progress.update(request.params.n)
+                        yield request.index, _error_output(replace(request, error=str(error)))
+                    continue
+                for output in outputs:
                     num_prompt_tokens += len(output.prompt_token_ids)
                     num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                     elapsed = max(time.perf_counter() - started, 1e-9)
@@ -175,7 +189,13 @@ class LLM:
         tensor_parallel_size: Split each layer's weights and KV heads over this many
             devices (worker processes on this machine; on CPU each rank is one process).
         data_parallel_size: Run this many engine replicas in their own processes and
-            spread the requests over them (each replica may be tensor parallel too).
+            spread the requests over them (each replica may be tensor parallel too). This
+            process then tokenizes, validates and orders, and loads no weights. On CPU each
+            replica takes its share of the cores; on CUDA replica r takes devices
+            ``r * tensor_parallel_size`` onwards of the visible ones (pass device "auto" or
+            "cuda"). Outputs are the same as with one replica, seeded or not. A replica that
+            dies has its unfinished requests run again on the others. Replicas are spawned
+            processes: a script needs the usual ``if __name__ == "__main__":`` guard.
     """
 
     def __init__(
@@ -198,6 +218,11 @@ class LLM:
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
     ) -> None:
+        # Every argument but the model, as given: a data-parallel replica builds its engine
+        # from the same settings.
+        settings = {
+            name: value for name, value in locals().items() if name not in ("self", "model")
+        }
         model_dir = resolve_model(model).path
         hf_config = AutoConfig.from_pretrained(model_dir)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
@@ -224,7 +249,21 @@ class LLM:
         self.generation_config = _read_generation_config(model_dir)
         self.eos_token_ids = _eos_token_ids(self.generation_config, self.tokenizer)
         self.vocab_size: int = hf_config.vocab_size
-        self.engine: LLMEngine | None = LLMEngine(self.config, self.tokenizer, self.eos_token_ids)
+        self.engine: LLMEngine | DataParallelEngine | None
+        if data_parallel_size > 1:
+            self.engine = DataParallelEngine(
+                functools.partial(
+                    _replica_engine, model_dir, {**settings, "data_parallel_size": 1}
+                ),
+                num_replicas=data_parallel_size,
+                seed=self.config.seed,
+                block_size=self.config.block_size,
+                max_model_len=self.config.max_model_len,
+                tensor_parallel_size=tensor_parallel_size,
+                device_type=self.config.device.type,
+            )
+        else:
+            self.engine = LLMEngine(self.config, self.tokenizer, self.eos_token_ids)
         self._request_counter = itertools.count()
 
     # ----- lifecycle --------------------------------------------------------------------
@@ -236,12 +275,13 @@ class LLM:
         self.shutdown()
 
     def shutdown(self) -> None:
-        """Free the KV cache and the weights. The LLM cannot generate afterwards."""
+        """Free the KV cache and the weights (with data parallelism: end the replica
+        processes). The LLM cannot generate afterwards."""
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
 
-    def _live_engine(self) -> LLMEngine:
+    def _live_engine(self) -> LLMEngine | DataParallelEngine:
         if self.engine is None:
             raise RuntimeError("This LLM was shut down; create a new one to generate.")
         return self.engine
@@ -266,6 +306,9 @@ class LLM:
             on_error: "raise": every request is validated first, and a bad one raises
                 ValueError naming its index before any work starts. "skip": a bad
                 request gets a RequestOutput whose ``error`` says why, and the others run.
+                With data parallelism, requests that no live replica is left to run raise
+                a RuntimeError naming the replicas lost and why, or under "skip" come back
+                with ``error`` set.
         """
         stream = self.generate_stream(prompts, sampling_params, use_tqdm, on_error)
         results: list[RequestOutput | None] = [None] * stream.num_requests
@@ -290,8 +333,9 @@ class LLM:
         engine = self._live_engine()
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}.")
-        prepared = self._prepare(prompts, sampling_params, skip_invalid=on_error == "skip")
-        return GenerationStream(engine, prepared, use_tqdm)
+        skip = on_error == "skip"
+        prepared = self._prepare(prompts, sampling_params, skip_invalid=skip)
+        return GenerationStream(engine, prepared, use_tqdm, skip_errors=skip)
 
     def _prepare(
         self,
@@ -487,8 +531,17 @@ class LLM:
     # ----- introspection ----------------------------------------------------------------
 
     def get_metrics(self) -> EngineMetrics:
-        """Engine counters: requests, tokens, preemptions, prefix-cache hits."""
+        """Engine counters: requests, tokens, preemptions, prefix-cache hits (summed over
+        data-parallel replicas)."""
         return self._live_engine().get_metrics()
+
+
+def _replica_engine(model_dir: Path, settings: dict[str, Any]) -> LLMEngine:
+    """The engine of one data-parallel replica, built in its own process as a single-replica
+    `LLM` with the front's settings would build it."""
+    engine = LLM(model_dir, **settings).engine
+    assert isinstance(engine, LLMEngine)
+    return engine
 
 
 def _read_generation_config(model_dir: Path) -> dict[str, Any]:

@@ -1,0 +1,406 @@
+"""Data parallelism: the assignment of requests to replicas, greedy parity with transformers
+at two replicas under every kind of batching, sampled outputs that do not depend on the
+number of replicas, replicas that die mid-generation, and no process left behind."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import io
+import logging
+import multiprocessing
+import os
+import re
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given, settings
+from tqdm import tqdm
+
+from paged_llm import LLM, RequestOutput, SamplingParams
+from paged_llm.distributed.data_parallel import (
+    DataParallelEngine,
+    assign_replicas,
+    place_replicas,
+    request_cost,
+    resolve_seed,
+)
+from paged_llm.engine.llm_engine import LLMEngine
+from tests.conftest import TINY_MODELS
+from tests.distributed.processes import child_pids
+from tests.models.test_parity import (
+    MAX_TOKENS,
+    check_scenario,
+    generate_greedy,
+    scenario_settings,
+)
+
+# NOTE: this process's own engines and transformers' runs need one thread on a busy 2-core
+# machine (see tests/test_cli.py); replicas take their own share.
+from tests.test_cli import one_thread  # noqa: F401 (an autouse fixture)
+
+MAX_MODEL_LEN = 256
+# Far above the few seconds a generation of the parity prompts takes, far below a hang.
+DEADLINE_S = 120
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind() -> Iterator[None]:
+    before = child_pids()
+    yield
+    assert {process.pid for process in multiprocessing.active_children()} <= before
+    assert child_pids() <= before
+
+
+@pytest.fixture(scope="module")
+def dp_llm(tiny_model_dir: Callable[[str], Path]) -> Iterator[LLM]:
+    with LLM(tiny_model_dir("llama"), max_model_len=MAX_MODEL_LEN, data_parallel_size=2) as llm:
+        pids = set(llm.engine.replica_pids)
+        yield llm
+    assert not pids & child_pids()
+
+
+def greedy_params(max_tokens: list[int]) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+
+
+# ----- assignment ------------------------------------------------------------------------
+
+
+def loads_of(assignment: list[int], costs: list[int], loads: list[int]) -> list[int]:
+    totals = list(loads)
+    for replica, cost in zip(assignment, costs, strict=True):
+        totals[replica] += cost
+    return totals
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(
+            # A tiny alphabet and block size, so that prompts often share a first block.
+            st.lists(st.integers(0, 2), min_size=1, max_size=6),
+            st.integers(1, 50),
+        ),
+        max_size=40,
+    ),
+    loads=st.lists(st.integers(0, 60), min_size=1, max_size=4),
+)
+def test_every_request_is_assigned_once_and_no_replica_exceeds_its_share_by_more_than_one_request(
+    requests: list[tuple[list[int], int]], loads: list[int]
+) -> None:
+    prompts = [prompt for prompt, _ in requests]
+    costs = [cost for _, cost in requests]
+    assignment = assign_replicas(prompts, costs, loads, block_size=2)
+    assert len(assignment) == len(prompts)
+    assert all(0 <= replica < len(loads) for replica in assignment)
+    share = (sum(loads) + sum(costs)) / len(loads)
+    bound = max([*loads, share + max(costs, default=0)])
+    assert max(loads_of(assignment, costs, loads)) <= bound
+
+
+def test_prefix_groups_that_fit_stay_on_one_replica() -> None:
+    # Two groups of five prompts sharing their first block (of 4 tokens), and equal costs.
+    prompts = [[7, 7, 7, 7, i] for i in range(5)] + [[9, 9, 9, 9, i] for i in range(5)]
+    assignment = assign_replicas(prompts, [10] * 10, [0, 0], block_size=4)
+    assert len(set(assignment[:5])) == len(set(assignment[5:])) == 1
+    assert assignment[0] != assignment[5]
+
+
+def test_a_group_too_big_for_one_replica_is_cut_where_prompts_diverge_first() -> None:
+    # Every prompt shares the first block (a chat header, say); within it, two subgroups
+    # share more. Token order keeps each subgroup together when the group is cut in two.
+    header = [1, 2, 3, 4]
+    prompts = [[*header, subgroup, subgroup, i] for subgroup in (5, 6) for i in range(4)]
+    order = [0, 4, 1, 5, 2, 6, 3, 7]  # interleaved, as a dataset might list them
+    assignment = assign_replicas([prompts[i] for i in order], [10] * 8, [0, 0], block_size=4)
+    by_prompt = {order[position]: replica for position, replica in enumerate(assignment)}
+    assert len({by_prompt[i] for i in range(4)}) == len({by_prompt[i] for i in range(4, 8)}) == 1
+    assert by_prompt[0] != by_prompt[4]
+
+
+def test_balance_by_cost_not_by_count() -> None:
+    # Round robin would put both long requests on replica 0.
+    costs = [100, 10, 100, 10, 10, 10, 10, 10, 10, 10, 10, 10]
+    prompts = [[i] for i in range(len(costs))]  # shorter than a block: no groups
+    assignment = assign_replicas(prompts, costs, [0, 0], block_size=16)
+    assert loads_of(assignment, costs, [0, 0]) == [150, 150]
+    # Work already running counts: the idle replica takes what is new.
+    assert assign_replicas([[1], [2], [3]], [10, 10, 10], [100, 0], block_size=16) == [1, 1, 1]
+
+
+def test_request_cost_counts_the_prompt_and_every_sequence() -> None:
+    assert request_cost(30, SamplingParams(n=3, max_tokens=10), max_model_len=256) == 60
+    assert request_cost(30, SamplingParams(max_tokens=None), max_model_len=256) == 256
+
+
+def test_each_replica_gets_its_own_cores_and_tensor_parallel_devices() -> None:
+    placements = place_replicas(2, 2, cpus=[0, 1, 2, 3, 4], cuda_devices=["4", "5", "6", "7"])
+    assert [p.cpus for p in placements] == [(0, 1), (2, 3)]
+    assert [p.environment for p in placements] == [
+        {"CUDA_VISIBLE_DEVICES": "4,5"},
+        {"CUDA_VISIBLE_DEVICES": "6,7"},
+    ]
+    # More replicas than cores: one core each, shared; nothing to set on CPU.
+    placements = place_replicas(3, 1, cpus=[0, 1], cuda_devices=None)
+    assert [p.cpus for p in placements] == [(0,), (1,), (0,)]
+    assert all(p.environment == {} for p in placements)
+
+
+# ----- seeds -----------------------------------------------------------------------------
+
+
+def test_front_seeds_give_each_sequence_the_seed_a_single_engine_draws(
+    tiny_model_dir: Callable[[str], Path],
+) -> None:
+    with LLM(tiny_model_dir("llama"), max_model_len=64) as llm:
+        engine = llm.engine
+        assert isinstance(engine, LLMEngine)
+        params = SamplingParams(n=3, temperature=0.8)
+        for attempt in range(3):
+            # An unseeded arrival at a single engine ...
+            serial = engine.get_metrics().num_requests
+            alone = engine.add_request(f"alone-{attempt}", None, [5, 6], params)
+            # ... and the same arrival as the front resolves it for a replica, whose own
+            # arrival count differs.
+            resolved = resolve_seed(params, llm.config.seed, serial)
+            replica = engine.add_request(f"replica-{attempt}", None, [5, 6], resolved)
+            assert [s.seed for s in replica.seqs] == [s.seed for s in alone.seqs]
+        engine.abort_all()
+        seeded = SamplingParams(seed=42)
+        assert resolve_seed(seeded, llm.config.seed, 7) is seeded
+
+
+def test_sampled_tokens_do_not_depend_on_the_number_of_replicas(
+    tiny_model_dir: Callable[[str], Path],
+) -> None:
+    prompts = [f"Story {i}: once upon a time, {'far away ' * i}" for i in range(9)] + [""]
+
+    def sample(llm: LLM) -> list[list[list[list[int]]]]:
+        """Two rounds (the arrival count carries over), unseeded and seeded, with n=2 and a
+        rejected request (which draws no arrival number)."""
+        rounds = []
+        for seeds in ([None] * len(prompts), range(len(prompts)), [None] * len(prompts)):
+            params = [
+                SamplingParams(n=2, temperature=0.8, top_p=0.95, max_tokens=12, seed=seed)
+                for seed in seeds
+            ]
+            outputs = llm.generate(prompts, params, use_tqdm=False, on_error="skip")
+            assert outputs[-1].error is not None
+            rounds.append([[c.token_ids for c in o.outputs] for o in outputs])
+        return rounds
+
+    with LLM(tiny_model_dir("llama"), max_model_len=MAX_MODEL_LEN) as single:
+        expected = sample(single)
+    with LLM(tiny_model_dir("llama"), max_model_len=MAX_MODEL_LEN, data_parallel_size=2) as llm:
+        assert sample(llm) == expected
+    # The rounds differ from each other: the seeds were really drawn.
+    assert expected[0] != expected[1] != expected[2]
+
+
+# ----- parity ----------------------------------------------------------------------------
+
+
+# Each LLM here starts two processes (seconds each on 2 cores), so one LLM runs two of
+# test_parity's scenarios where they combine: a 32-token budget over a 14-block cache chunks
+# every long prompt and preempts too. Every architecture runs under each scenario.
+SCENARIO_GROUPS = {
+    "default": ("default",),
+    "chunked-prefill+preemption": ("chunked-prefill", "preemption"),
+    # The prompts share a prefix; the group is cut over the two replicas.
+    "prefix-hits": ("prefix-hits",),
+}
+
+
+@pytest.mark.parametrize(
+    ("arch", "group"),
+    [(arch, group) for arch in TINY_MODELS for group in list(SCENARIO_GROUPS)[:2]]
+    + [("llama", "prefix-hits")],
+)
+def test_greedy_matches_transformers_with_two_replicas(
+    arch: str,
+    group: str,
+    tiny_model_dir: Callable[[str], Path],
+    references: Callable[[str, bool], tuple[list[list[int]], list[list[int]]]],
+) -> None:
+    settings: dict[str, Any] = {}
+    for scenario in SCENARIO_GROUPS[group]:
+        scenario_kwargs, shared_prefix = scenario_settings(tiny_model_dir(arch), scenario)
+        settings.update(scenario_kwargs)
+    prompts, expected = references(arch, shared_prefix)
+    with LLM(tiny_model_dir(arch), data_parallel_size=2, **settings) as llm:
+        outputs, metrics = generate_greedy(llm, prompts)
+    for scenario in SCENARIO_GROUPS[group]:
+        check_scenario(scenario, outputs, metrics, expected)
+
+
+# ----- the front -------------------------------------------------------------------------
+
+
+def test_stream_progress_metrics_and_a_second_generation(dp_llm: LLM) -> None:
+    lengths = [9, 1, 5, 3, 7, 2]
+    prompts = [{"prompt_token_ids": [300 + i, 301, 302]} for i in range(len(lengths))]
+    captured = io.StringIO()
+
+    def progress_bar(**kwargs: object) -> tqdm:
+        return tqdm(**kwargs, file=captured, mininterval=0)
+
+    before = dp_llm.get_metrics()
+    stream = dp_llm.generate_stream(prompts, greedy_params(lengths), use_tqdm=progress_bar)
+    iterator = iter(stream)
+    streamed = [next(iterator)]
+    with pytest.raises(RuntimeError, match="Another generation is still running"):
+        next(iter(dp_llm.generate_stream(["x"])))
+    streamed += list(iterator)
+    assert sorted(index for index, _ in streamed) == list(range(len(prompts)))
+    for index, output in streamed:
+        assert len(output.outputs[0].token_ids) == lengths[index]
+    assert f"{len(prompts)}/{len(prompts)}" in captured.getvalue()
+    run = dp_llm.get_metrics().since(before)
+    assert run.num_requests == len(prompts)
+    assert run.num_generated_tokens == sum(lengths)
+    assert run.num_prompt_tokens == 3 * len(prompts)
+
+
+def test_leaving_a_stream_early_cancels_the_rest(dp_llm: LLM) -> None:
+    prompts = [{"prompt_token_ids": [400 + i] * 20} for i in range(6)]
+    stream = dp_llm.generate_stream(prompts, greedy_params([30] * 6))
+    for _ in stream:
+        break
+    stream.close()
+    assert not dp_llm.engine.has_unfinished()
+    (output,) = dp_llm.generate("still works", greedy_params([4]), use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 4
+
+
+def test_a_replica_that_cannot_start_raises_its_error(
+    tiny_model_dir: Callable[[str], Path],
+) -> None:
+    # 512 bytes per token of the tiny llama: room for 40 tokens, less than max_model_len.
+    with pytest.raises(ValueError, match="cannot hold one sequence of max_model_len=128"):
+        LLM(
+            tiny_model_dir("llama"),
+            max_model_len=128,
+            kv_cache_memory_bytes=512 * 40,
+            data_parallel_size=2,
+        )
+
+
+def test_garbage_collection_ends_the_replicas(tiny_model_dir: Callable[[str], Path]) -> None:
+    llm = LLM(tiny_model_dir("llama"), max_model_len=64, data_parallel_size=2)
+    pids = set(llm.engine.replica_pids)
+    assert pids <= child_pids()
+    del llm
+    gc.collect()
+    assert not pids & child_pids()
+
+
+# ----- replicas that die -----------------------------------------------------------------
+
+
+def test_a_killed_replica_s_requests_finish_on_the_others_until_none_is_left(
+    tiny_model_dir: Callable[[str], Path],
+    references: Callable[[str, bool], tuple[list[list[int]], list[list[int]]]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    prompts, expected = references("llama", False)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+
+    def generate_killing(llm: LLM, victim: int, on_error: str) -> dict[int, RequestOutput]:
+        """Stream a generation, SIGKILLing replica ``victim`` once the first result is in."""
+        started = time.monotonic()
+        results: dict[int, RequestOutput] = {}
+        for index, output in llm.generate_stream(
+            requests, greedy_params(MAX_TOKENS), on_error=on_error
+        ):
+            if not results:
+                os.kill(llm.engine.replica_pids[victim], signal.SIGKILL)
+            assert index not in results
+            results[index] = output
+        assert time.monotonic() - started < DEADLINE_S
+        assert sorted(results) == list(range(len(prompts)))
+        return results
+
+    with LLM(tiny_model_dir("llama"), max_model_len=MAX_MODEL_LEN, data_parallel_size=2) as llm:
+        results = generate_killing(llm, victim=0, on_error="raise")
+        assert [results[i].outputs[0].token_ids for i in range(len(prompts))] == expected
+        assert re.search(
+            r"replica 0 ended \(killed by signal SIGKILL\); [1-9]\d* unfinished", caplog.text
+        )
+        assert llm.engine.num_live_replicas == 1
+
+        # The last replica dies: under on_error="skip" what it had not finished comes back
+        # as errors naming every replica lost; a new generation raises.
+        results = generate_killing(llm, victim=1, on_error="skip")
+        errors = [o.error for o in results.values() if o.error is not None]
+        assert errors
+        for error in errors:
+            assert "replica 0 (killed by signal SIGKILL)" in error
+            assert "replica 1 (killed by signal SIGKILL)" in error
+        for index, output in results.items():
+            if output.error is None:
+                assert output.outputs[0].token_ids == expected[index]
+        with pytest.raises(RuntimeError, match=r"no data-parallel replica is left.*SIGKILL"):
+            llm.generate("anyone?", use_tqdm=False)
+
+
+def _engine_that_fails_once(model_dir: Path, claim: Path) -> LLMEngine:
+    """A replica engine whose step, once it has finished something, raises in the first
+    process to claim the file ``claim``."""
+    engine = LLM(model_dir, max_model_len=MAX_MODEL_LEN).engine
+    assert isinstance(engine, LLMEngine)
+    step = engine.step
+
+    def failing_step() -> list[RequestOutput]:
+        finished = step()
+        if finished:
+            try:
+                os.close(os.open(claim, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                return finished
+            raise RuntimeError("injected failure")
+        return finished
+
+    engine.step = failing_step  # type: ignore[method-assign]
+    return engine
+
+
+def test_a_replica_that_raises_is_named_and_its_requests_rerun(
+    tiny_model_dir: Callable[[str], Path],
+    references: Callable[[str, bool], tuple[list[list[int]], list[list[int]]]],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    prompts, expected = references("llama", False)
+    engine = DataParallelEngine(
+        functools.partial(_engine_that_fails_once, tiny_model_dir("llama"), tmp_path / "claim"),
+        num_replicas=2,
+        seed=0,
+        block_size=16,
+        max_model_len=MAX_MODEL_LEN,
+    )
+    try:
+        for index, (prompt, params) in enumerate(
+            zip(prompts, greedy_params(MAX_TOKENS), strict=True)
+        ):
+            engine.add_request(str(index), None, prompt, params)
+        results: dict[int, RequestOutput] = {}
+        with caplog.at_level(logging.WARNING):
+            while engine.has_unfinished():
+                for output in engine.step():
+                    assert int(output.request_id) not in results
+                    results[int(output.request_id)] = output
+        assert engine.num_live_replicas == 1
+    finally:
+        engine.shutdown()
+    assert [results[i].outputs[0].token_ids for i in range(len(prompts))] == expected
+    assert re.search(
+        r"replica \d ended \(exit code 1 after RuntimeError: injected failure\); [1-9]\d* "
+        r"unfinished",
+        caplog.text,
+    )
