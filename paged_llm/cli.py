@@ -196,6 +196,18 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     engine.add_argument("--device", default="auto", help="auto, cpu or cuda")
     engine.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    engine.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model over this many devices (processes on CPU)",
+    )
+    engine.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="run this many engine replicas, each in its own process, and share the rows out",
+    )
 
     sampling = gen.add_argument_group(
         "sampling (see SamplingParams; unset flags keep the model's generation_config values)"
@@ -299,6 +311,8 @@ def _generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         enable_prefix_caching=not args.no_prefix_caching,
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
     )
     with llm, open(args.output, "ab") as sink:
         return _run(llm, args, pending, num_skipped, sink)

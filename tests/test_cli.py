@@ -161,6 +161,38 @@ def test_a_missing_model_is_reported_without_a_traceback(
     assert "Traceback" not in err
 
 
+def test_data_parallel_replicas_write_the_same_rows(model: str, tmp_path: Path) -> None:
+    rows = [
+        {"id": i, "prompt": f"Row {i} of the dataset: {'more words ' * (i % 4)}"} for i in range(8)
+    ]
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    written = {}
+    for size in ("1", "2"):
+        output = tmp_path / f"dp{size}.jsonl"
+        argv = ["generate", "-i", str(source), "-o", str(output), *engine_args(model)]
+        # The model's default sampling (temperature 1), each row with its own seed.
+        assert main([*argv, "--max-tokens", "8", "--data-parallel-size", size]) == 0
+        written[size] = sorted(read_rows(output), key=lambda row: row["id"])
+    assert len(written["1"]) == len(rows)
+    assert written["2"] == written["1"]
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("--data-parallel-size=0", "data_parallel_size must be an integer >= 1, got 0"),
+        ("--tensor-parallel-size=3", "tensor_parallel_size=3 does not split this model"),
+    ],
+)
+def test_parallel_sizes_reach_the_llm(
+    model: str, tmp_path: Path, flag: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
+    argv = ["generate", "-i", str(source), "-o", str(tmp_path / "out.jsonl"), *engine_args(model)]
+    assert main([*argv, flag]) == 1
+    assert message in capsys.readouterr().err
+
+
 def test_parse_bytes() -> None:
     assert parse_bytes("2GiB") == parse_bytes("2g") == 2 * 2**30
     assert parse_bytes("512 MB") == 512 * 2**20
