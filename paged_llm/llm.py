@@ -260,7 +260,7 @@ class LLM:
                 block_size=self.config.block_size,
                 max_model_len=self.config.max_model_len,
                 tensor_parallel_size=tensor_parallel_size,
-                device_type=self.config.device.type,
+                devices=self.config.platform.replica_devices(),
             )
         else:
             self.engine = LLMEngine(self.config, self.tokenizer, self.eos_token_ids)

@@ -110,6 +110,11 @@ class Platform:
     def enter_rank_process(self, tp_size: int) -> None:
         """Make this process fit to be one of ``tp_size`` ranks on the machine."""
 
+    def replica_devices(self) -> list[str] | None:
+        """The device ids data-parallel replicas divide among themselves (each gets its
+        slice as CUDA_VISIBLE_DEVICES); None where they share the host's cores instead."""
+        return None
+
 
 class CpuPlatform(Platform):
     """The host's own processor: oneDNN and the torch attention backend."""
@@ -198,6 +203,12 @@ class CudaPlatform(Platform):
 
     def enter_rank_process(self, tp_size: int) -> None:
         torch.cuda.set_device(self.device)
+
+    def replica_devices(self) -> list[str] | None:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is None:
+            return [str(index) for index in range(torch.cuda.device_count())]
+        return [device.strip() for device in visible.split(",") if device.strip()]
 
 
 def get_platform(device: str | torch.device | Platform) -> Platform:

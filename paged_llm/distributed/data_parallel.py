@@ -213,13 +213,6 @@ def place_replicas(
     ]
 
 
-def _visible_cuda_devices() -> list[str]:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return [str(index) for index in range(torch.cuda.device_count())]
-    return [device.strip() for device in visible.split(",") if device.strip()]
-
-
 def _usable_cpus() -> list[int]:
     if hasattr(os, "sched_getaffinity"):
         return sorted(os.sched_getaffinity(0))
@@ -375,7 +368,7 @@ class DataParallelEngine:
         block_size: int,
         max_model_len: int,
         tensor_parallel_size: int = 1,
-        device_type: str = "cpu",
+        devices: Sequence[str] | None = None,
     ) -> None:
         self._seed = seed
         self._block_size = block_size
@@ -390,7 +383,7 @@ class DataParallelEngine:
             num_replicas,
             tensor_parallel_size,
             _usable_cpus(),
-            _visible_cuda_devices() if device_type == "cuda" else None,
+            devices,
         )
         self._replicas: list[_Replica] = []
         # Stops every replica when this engine is shut down, collected, or at exit.

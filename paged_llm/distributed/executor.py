@@ -47,6 +47,10 @@ class WorkerError(RuntimeError):
         self.rank = rank
         self.cause = cause
 
+    def __reduce__(self) -> tuple[type[WorkerError], tuple[int, str]]:
+        # Pickled by data-parallel replicas: rebuilt from its fields, not its message.
+        return type(self), (self.rank, self.cause)
+
 
 class LocalExecutor:
     """One rank: the runner in this process."""

@@ -8,7 +8,6 @@ import functools
 import gc
 import io
 import logging
-import multiprocessing
 import os
 import re
 import signal
@@ -47,14 +46,6 @@ from tests.test_cli import one_thread  # noqa: F401 (an autouse fixture)
 MAX_MODEL_LEN = 256
 # Far above the few seconds a generation of the parity prompts takes, far below a hang.
 DEADLINE_S = 120
-
-
-@pytest.fixture(autouse=True)
-def no_process_left_behind() -> Iterator[None]:
-    before = child_pids()
-    yield
-    assert {process.pid for process in multiprocessing.active_children()} <= before
-    assert child_pids() <= before
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,16 +31,6 @@ from tests.models.test_parity import (
 )
 
 TP = 2
-
-
-@pytest.fixture(autouse=True)
-def no_process_left_behind() -> Iterator[None]:
-    before = child_pids()
-    yield
-    deadline = time.monotonic() + 10
-    while child_pids() - before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert child_pids() - before == set()
 
 
 def _per_rank(settings: dict, model_dir: Path) -> dict:
