@@ -3,9 +3,45 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, TypeVar, overload
 
 # Below this temperature sampling is greedy, as in vLLM.
 _GREEDY_EPS = 1e-5
+
+_T = TypeVar("_T")
+
+
+class _ListField(Generic[_T]):
+    """A dataclass field that stores what it is given (a list or None) as a list.
+
+    The constructor keeps vLLM's types, None included, while every reader gets ``list[_T]``
+    and never checks for None: type checkers take ``__init__``'s parameter type from
+    ``__set__`` and the attribute's type from ``__get__``.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._attr = f"_{name}"
+
+    # On the class (obj None) the dataclass machinery reads the field's default: None.
+    @overload
+    def __get__(self, obj: None, owner: type) -> None: ...
+    @overload
+    def __get__(self, obj: object, owner: type) -> list[_T]: ...
+    def __get__(self, obj: object | None, owner: type) -> list[_T] | None:
+        if obj is None:
+            return None
+        value: list[_T] = getattr(obj, self._attr)
+        return value
+
+    def __set__(self, obj: object, value: list[_T] | None) -> None:
+        setattr(obj, self._attr, list(value or []))
+
+
+class _StopStrings(_ListField[str]):
+    """``stop``, which also takes a single string, as in vLLM."""
+
+    def __set__(self, obj: object, value: str | list[str] | None) -> None:
+        super().__set__(obj, [value] if isinstance(value, str) else value)
 
 
 @dataclass
@@ -61,9 +97,9 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
+    stop: _StopStrings = _StopStrings()
+    stop_token_ids: _ListField[int] = _ListField()
+    bad_words: _ListField[str] = _ListField()
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     max_tokens: int | None = 16
@@ -77,12 +113,6 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        else:
-            self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self.bad_words = list(self.bad_words or [])
         if self.top_k == -1:
             self.top_k = 0
         self.verify()
