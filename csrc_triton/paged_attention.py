@@ -350,7 +350,7 @@ def paged_attention(
     if num_splits == 1:
         kernel_out, split_max, split_sum = out, out, out
         split_out_strides = (0, *out.stride())
-        split_stat_strides = (0, 0)
+        split_stat_strides: tuple[int, ...] = (0, 0)
     else:
         kernel_out = query.new_empty(
             (num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32

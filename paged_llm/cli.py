@@ -46,8 +46,8 @@ class InputRow:
 
     line: int
     id: str | int
-    prompt: str | None
-    messages: list[dict[str, Any]] | None
+    # The row's "prompt" text, or its chat "messages" (a row gives exactly one of them).
+    prompt: str | list[dict[str, Any]]
 
 
 def read_input(path: Path) -> list[InputRow]:
@@ -94,9 +94,11 @@ def _parse_row(line_number: int, text: str, first_line_of: dict[str | int, int])
     if (prompt is None) == (messages is None):
         which = "both 'prompt' and" if prompt is not None else "neither 'prompt' nor"
         raise ValueError(f"row {row_id!r} has {which} 'messages'; give exactly one")
-    if prompt is not None and not isinstance(prompt, str):
-        raise ValueError(f"'prompt' must be a string, got {type(prompt).__name__}")
-    if messages is not None and not (
+    if messages is None:
+        if not isinstance(prompt, str):
+            raise ValueError(f"'prompt' must be a string, got {type(prompt).__name__}")
+        return InputRow(line_number, row_id, prompt)
+    if not (
         isinstance(messages, list)
         and messages
         and all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)
@@ -104,7 +106,7 @@ def _parse_row(line_number: int, text: str, first_line_of: dict[str | int, int])
         raise ValueError(
             '\'messages\' must be a non-empty list of {"role": ..., "content": ...} objects'
         )
-    return InputRow(line_number, row_id, prompt, messages)
+    return InputRow(line_number, row_id, messages)
 
 
 def recover_output(path: Path) -> set[str | int]:
@@ -344,7 +346,7 @@ def _run(
         for row in rows:
             try:
                 prompts.append(
-                    row.prompt if row.messages is None else llm.render_chat(row.messages)
+                    row.prompt if isinstance(row.prompt, str) else llm.render_chat(row.prompt)
                 )
             except Exception as error:  # a template error names the bad message
                 write({"id": row.id, "error": f"line {row.line}: cannot render messages: {error}"})

@@ -31,7 +31,9 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, platform: Platform) 
         config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(config_dtype, str):
             config_dtype = _DTYPES.get(config_dtype)
-        return config_dtype if config_dtype in _DTYPES.values() else torch.bfloat16
+        if isinstance(config_dtype, torch.dtype) and config_dtype in _DTYPES.values():
+            return config_dtype
+        return torch.bfloat16
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {dtype!r}.")
     return _DTYPES[dtype]

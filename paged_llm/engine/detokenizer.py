@@ -9,6 +9,14 @@ from transformers import PreTrainedTokenizerBase
 _CONTEXT_TOKENS = 5
 
 
+def decode(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], **kwargs: bool) -> str:
+    """The text of one sequence of token ids."""
+    text = tokenizer.decode(token_ids, **kwargs)
+    # decode() is typed for a batch too (-> list[str]); a flat list of ids gives one str.
+    assert isinstance(text, str)
+    return text
+
+
 class IncrementalDetokenizer:
     """The text of a sequence's output, extended one token at a time.
 
@@ -35,7 +43,7 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def _decode(self, start: int, end: int | None = None) -> str:
-        return self._tokenizer.decode(self._token_ids[start:end], **self._decode_kwargs)
+        return decode(self._tokenizer, self._token_ids[start:end], **self._decode_kwargs)
 
     def update(self, token_id: int) -> str:
         """Add a token; return the text it completes (possibly empty)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
-from paged_llm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from paged_llm.engine.detokenizer import IncrementalDetokenizer, decode, find_stop_string
 from paged_llm.engine.sequence import FinishReason, RawLogprobs, Request, Sequence
 from paged_llm.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -63,7 +63,8 @@ class OutputProcessor:
         )
         if stopped_by_token and not params.include_stop_str_in_output:
             token_ids = token_ids[:-1]
-        return self.tokenizer.decode(
+        return decode(
+            self.tokenizer,
             token_ids,
             skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
@@ -72,7 +73,7 @@ class OutputProcessor:
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+            text = self._token_texts[token_id] = decode(self.tokenizer, [token_id])
         return text
 
     def _logprob_dict(self, raw: RawLogprobs) -> dict[int, Logprob]:

@@ -102,10 +102,21 @@ def compute_logprobs(
 class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """``logits`` ``[B, V]`` float32 (not modified)."""
-        raw_logprobs = (
-            torch.log_softmax(logits, dim=-1) if metadata.max_num_logprobs is not None else None
-        )
-        logits = self._apply_constraints(logits, metadata)
+        token_ids = self._sample(logits, metadata)
+        logprobs = None
+        num_top = metadata.max_num_logprobs
+        if num_top is not None:
+            # Of the raw distribution: _sample leaves ``logits`` untouched.
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+            if num_top == -1:
+                num_top = raw_logprobs.shape[-1]
+            logprobs = compute_logprobs(raw_logprobs, token_ids, num_top)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    @classmethod
+    def _sample(cls, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """``[B]`` token ids, with out-of-place ops only."""
+        logits = cls._apply_constraints(logits, metadata)
         logits = apply_penalties(logits, metadata)
         token_ids = logits.argmax(dim=-1)
         if not metadata.all_greedy:
@@ -116,13 +127,7 @@ class Sampler:
             probs = torch.softmax(logits, dim=-1)
             uniforms = counter_uniform(metadata.seeds, metadata.counters)
             token_ids = torch.where(is_random, _inverse_cdf_sample(probs, uniforms), token_ids)
-        logprobs = None
-        if raw_logprobs is not None:
-            num_top = metadata.max_num_logprobs
-            if num_top == -1:
-                num_top = raw_logprobs.shape[-1]
-            logprobs = compute_logprobs(raw_logprobs, token_ids, num_top)
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+        return token_ids
 
     @staticmethod
     def _apply_constraints(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

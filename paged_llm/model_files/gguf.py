@@ -415,7 +415,7 @@ def _check_against_model_class(
     )
     if missing or unexpected or wrong_shape:
         raise ValueError(
-            f"{gguf_path.name}: tensors do not match {config.architectures[0]}: "
+            f"{gguf_path.name}: tensors do not match {type(model).__name__}: "
             f"missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shape {wrong_shape[:5]}"
         )
 

@@ -18,6 +18,7 @@ Prefill chunks run per sequence through SDPA.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -181,7 +182,7 @@ class TorchAttentionBackend(AttentionBackend):
         """Rows grouped by similar remaining context, then cut to the gather budget."""
         remaining = {i: context_lens[i] - skipped[i] * block_size for i in rows}
         ordered = sorted(rows, key=lambda i: -remaining[i])
-        chunks = []
+        chunks: list[list[int]] = []
         while ordered:
             longest = remaining[ordered[0]]
             size = 1
@@ -283,7 +284,7 @@ class TorchAttentionBackend(AttentionBackend):
             # One matmul for every member's queries against the one copy of the prefix.
             flat = queries.reshape(num_kv_heads, -1, head_dim)
             partial = _partial_attention(flat, keys, values, None, scale)
-            shared = tuple(t.view(*queries.shape[:3], -1) for t in partial)
+            shared = PartialAttention(*(t.view(*queries.shape[:3], -1) for t in partial))
         for chunk in plan.decode_chunks:
             keys, values = self._gather(key_cache, value_cache, chunk.block_tables)
             valid = chunk.valid
@@ -299,8 +300,8 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 assert shared is not None
                 part = _partial_attention(queries, keys, values, mask, scale)
-                merged = _merge(part, tuple(t[:, chunk.shared_rows] for t in shared))
-                output = merged[0] / merged[2]
+                merged = _merge(part, PartialAttention(*(t[:, chunk.shared_rows] for t in shared)))
+                output = merged.output / merged.total
             out[chunk.token_idx] = output.transpose(0, 1).reshape(-1, query.shape[1], head_dim)
         return out
 
@@ -325,7 +326,13 @@ def _attention(
     return torch.matmul(probs, values)
 
 
-PartialAttention = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+class PartialAttention(NamedTuple):
+    """Softmax attention over part of the keys, before normalization, with
+    ``p_j = exp(score_j - maximum)``, so parts over disjoint keys can be merged exactly."""
+
+    output: torch.Tensor  # sum_j p_j v_j
+    maximum: torch.Tensor  # the max score
+    total: torch.Tensor  # sum_j p_j
 
 
 def _partial_attention(
@@ -335,8 +342,7 @@ def _partial_attention(
     valid: torch.Tensor | None,
     scale: float,
 ) -> PartialAttention:
-    """Unnormalized softmax attention: ``(sum_j p_j v_j, max score, sum_j p_j)`` with
-    ``p_j = exp(score_j - max)``, so parts over disjoint keys can be merged exactly."""
+    """Unnormalized softmax attention (see ``PartialAttention``)."""
     # Softmax statistics in float32 whatever the cache dtype.
     scores = torch.matmul(queries, keys.transpose(-1, -2)).float().mul_(scale)
     if valid is not None:
@@ -344,16 +350,19 @@ def _partial_attention(
     maximum = scores.amax(dim=-1, keepdim=True)
     probs = scores.sub_(maximum).exp_()
     total = probs.sum(dim=-1, keepdim=True)
-    return torch.matmul(probs.to(values.dtype), values).float(), maximum, total
+    return PartialAttention(torch.matmul(probs.to(values.dtype), values).float(), maximum, total)
 
 
 def _merge(first: PartialAttention, second: PartialAttention) -> PartialAttention:
     """The partial attention over the union of two disjoint key sets."""
-    maximum = torch.maximum(first[1], second[1])
-    weight_first = (first[1] - maximum).exp_()
-    weight_second = (second[1] - maximum).exp_()
-    output = first[0] * weight_first + second[0] * weight_second
-    return output, maximum, first[2] * weight_first + second[2] * weight_second
+    maximum = torch.maximum(first.maximum, second.maximum)
+    weight_first = (first.maximum - maximum).exp_()
+    weight_second = (second.maximum - maximum).exp_()
+    return PartialAttention(
+        first.output * weight_first + second.output * weight_second,
+        maximum,
+        first.total * weight_first + second.total * weight_second,
+    )
 
 
 def _visible(
