@@ -14,7 +14,6 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import hypothesis.strategies as st
 import pytest
@@ -34,9 +33,10 @@ from tests.conftest import TINY_MODELS
 from tests.distributed.processes import child_pids
 from tests.models.test_parity import (
     MAX_TOKENS,
+    SCENARIO_GROUPS,
     check_scenario,
     generate_greedy,
-    scenario_settings,
+    group_settings,
 )
 
 # NOTE: this process's own engines and transformers' runs need one thread on a busy 2-core
@@ -197,17 +197,6 @@ def test_sampled_tokens_do_not_depend_on_the_number_of_replicas(
 # ----- parity ----------------------------------------------------------------------------
 
 
-# Each LLM here starts two processes (seconds each on 2 cores), so one LLM runs two of
-# test_parity's scenarios where they combine: a 32-token budget over a 14-block cache chunks
-# every long prompt and preempts too. Every architecture runs under each scenario.
-SCENARIO_GROUPS = {
-    "default": ("default",),
-    "chunked-prefill+preemption": ("chunked-prefill", "preemption"),
-    # The prompts share a prefix; the group is cut over the two replicas.
-    "prefix-hits": ("prefix-hits",),
-}
-
-
 @pytest.mark.parametrize(
     ("arch", "group"),
     [(arch, group) for arch in TINY_MODELS for group in list(SCENARIO_GROUPS)[:2]]
@@ -219,10 +208,7 @@ def test_greedy_matches_transformers_with_two_replicas(
     tiny_model_dir: Callable[[str], Path],
     references: Callable[[str, bool], tuple[list[list[int]], list[list[int]]]],
 ) -> None:
-    settings: dict[str, Any] = {}
-    for scenario in SCENARIO_GROUPS[group]:
-        scenario_kwargs, shared_prefix = scenario_settings(tiny_model_dir(arch), scenario)
-        settings.update(scenario_kwargs)
+    settings, shared_prefix = group_settings(tiny_model_dir(arch), group)
     prompts, expected = references(arch, shared_prefix)
     with LLM(tiny_model_dir(arch), data_parallel_size=2, **settings) as llm:
         outputs, metrics = generate_greedy(llm, prompts)

@@ -25,9 +25,10 @@ from tests.conftest import TINY_MODELS, hf_greedy
 from tests.distributed.processes import child_pids
 from tests.model_files.test_gguf import tiny_model, write_gguf
 from tests.models.test_parity import (
+    SCENARIO_GROUPS,
     check_scenario,
     generate_greedy,
-    scenario_settings,
+    group_settings,
 )
 
 TP = 2
@@ -44,27 +45,28 @@ def _per_rank(settings: dict, model_dir: Path) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("arch", "scenario"),
+    ("arch", "group"),
     [
-        (arch, scenario)
+        (arch, group)
         for arch in [*TINY_MODELS, "mistral-1kv"]
-        for scenario in ["default", "chunked-prefill", "preemption"]
+        for group in ["default", "chunked-prefill+preemption"]
     ]
     + [("llama", "prefix-hits")],
 )
 def test_greedy_matches_transformers_on_two_ranks(
     arch: str,
-    scenario: str,
+    group: str,
     tiny_model_dir: Callable[[str], Path],
     references: Callable[[str, bool], tuple[list[list[int]], list[list[int]]]],
 ) -> None:
     model_dir = tiny_model_dir(arch)
-    settings, shared_prefix = scenario_settings(model_dir, scenario)
+    settings, shared_prefix = group_settings(model_dir, group)
     prompts, expected = references(arch, shared_prefix)
     with LLM(model_dir, tensor_parallel_size=TP, **_per_rank(settings, model_dir)) as llm:
         assert isinstance(llm.engine.executor, MultiprocExecutor)  # type: ignore[union-attr]
         outputs, metrics = generate_greedy(llm, prompts)
-    check_scenario(scenario, outputs, metrics, expected)
+    for scenario in SCENARIO_GROUPS[group]:
+        check_scenario(scenario, outputs, metrics, expected)
 
 
 def _mixed_requests() -> tuple[list[dict], list[SamplingParams]]:

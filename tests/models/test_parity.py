@@ -83,6 +83,26 @@ def scenario_settings(model_dir: Path, scenario: str) -> tuple[dict[str, Any], b
     return settings, shared_prefix
 
 
+# Tests that start processes (seconds each on 2 cores) run two scenarios in one LLM where
+# they combine: a 32-token budget over a 14-block cache chunks every long prompt and
+# preempts too.
+SCENARIO_GROUPS: dict[str, tuple[str, ...]] = {
+    "default": ("default",),
+    "chunked-prefill+preemption": ("chunked-prefill", "preemption"),
+    "prefix-hits": ("prefix-hits",),
+}
+
+
+def group_settings(model_dir: Path, group: str) -> tuple[dict[str, Any], bool]:
+    """`scenario_settings` of every scenario of ``SCENARIO_GROUPS[group]`` together."""
+    settings: dict[str, Any] = {}
+    shared_prefix = False
+    for scenario in SCENARIO_GROUPS[group]:
+        scenario_kwargs, shared_prefix = scenario_settings(model_dir, scenario)
+        settings.update(scenario_kwargs)
+    return settings, shared_prefix
+
+
 def generate_greedy(
     llm: LLM, prompts: list[list[int]]
 ) -> tuple[list[RequestOutput], EngineMetrics]:
