@@ -5,7 +5,20 @@
 Each input line is ``{"id": ..., "prompt": "..."}`` or ``{"id": ..., "messages": [...]}``
 (rendered with the model's chat template). Each finished request is appended to the output
 as one JSON line and flushed to disk at once, so a crash loses only the requests still
-running; ``--resume`` repairs a torn last line and runs only the ids not yet written.
+running; ``--resume`` repairs a torn last line, removes duplicate ids (keeping each id's
+first row) and runs only the ids not yet written.
+
+One writer per output: the command holds ``<output>.lock`` (created with O_CREAT|O_EXCL,
+holding ``pid host``) for the whole run and removes it at exit. A second command on the same
+output is refused (exit code 2) while the holder lives; a lock whose pid is dead on this host
+is stale and taken over, with a note on stderr.
+
+Text that is not valid Unicode: JSON can spell a lone UTF-16 surrogate (``"\\ud83d"``, an emoji
+cut in half by JavaScript), which no tokenizer or UTF-8 file can hold. A row with one in its
+prompt, messages or id is not generated; it gets an error row saying so, and the job goes on.
+Output rows are UTF-8; a record that cannot be (an id with a lone surrogate) is written with
+ASCII escapes, so the file stays valid and ``--resume`` reads the same id back. An input line
+that is not valid UTF-8 at all is a bad line, reported with its line number like bad JSON.
 """
 
 from __future__ import annotations
@@ -17,9 +30,10 @@ import json
 import logging
 import os
 import re
+import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -48,6 +62,8 @@ class InputRow:
     id: str | int
     # The row's "prompt" text, or its chat "messages" (a row gives exactly one of them).
     prompt: str | list[dict[str, Any]]
+    # Why the row cannot run (written as its error row instead of generating), or None.
+    error: str | None = None
 
 
 def read_input(path: Path) -> list[InputRow]:
@@ -55,12 +71,12 @@ def read_input(path: Path) -> list[InputRow]:
     rows: list[InputRow] = []
     errors: list[str] = []
     first_line_of: dict[str | int, int] = {}
-    with open(path, encoding="utf-8") as lines:
-        for line_number, text in enumerate(lines, start=1):
-            if not text.strip():
+    with open(path, "rb") as lines:
+        for line_number, raw in enumerate(lines, start=1):
+            if not raw.strip():
                 continue
             try:
-                row = _parse_row(line_number, text, first_line_of)
+                row = _parse_row(line_number, _decode_line(raw), first_line_of)
             except ValueError as error:
                 errors.append(f"{path}:{line_number}: {error}")
                 continue
@@ -74,6 +90,31 @@ def read_input(path: Path) -> list[InputRow]:
             f"{len(errors)} bad line(s) in the input; nothing was generated:\n" + "\n".join(listed)
         )
     return rows
+
+
+def _decode_line(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"not valid UTF-8 (byte {raw[error.start]:#04x} at column {error.start + 1})"
+        ) from None
+
+
+def _lone_surrogate(value: object) -> str | None:
+    """The first lone UTF-16 surrogate in a JSON value's strings (keys included), or None."""
+    if isinstance(value, str):
+        match = re.search("[\ud800-\udfff]", value)
+        return None if match is None else f"\\u{ord(match.group()):04x}"
+    items: list[object] = []
+    if isinstance(value, dict):
+        items = [*value.keys(), *value.values()]
+    elif isinstance(value, list):
+        items = value
+    for item in items:
+        if (found := _lone_surrogate(item)) is not None:
+            return found
+    return None
 
 
 def _parse_row(line_number: int, text: str, first_line_of: dict[str | int, int]) -> InputRow:
@@ -94,11 +135,12 @@ def _parse_row(line_number: int, text: str, first_line_of: dict[str | int, int])
     if (prompt is None) == (messages is None):
         which = "both 'prompt' and" if prompt is not None else "neither 'prompt' nor"
         raise ValueError(f"row {row_id!r} has {which} 'messages'; give exactly one")
+    text_or_messages: str | list[dict[str, Any]]
     if messages is None:
         if not isinstance(prompt, str):
             raise ValueError(f"'prompt' must be a string, got {type(prompt).__name__}")
-        return InputRow(line_number, row_id, prompt)
-    if not (
+        text_or_messages = prompt
+    elif not (
         isinstance(messages, list)
         and messages
         and all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)
@@ -106,14 +148,32 @@ def _parse_row(line_number: int, text: str, first_line_of: dict[str | int, int])
         raise ValueError(
             '\'messages\' must be a non-empty list of {"role": ..., "content": ...} objects'
         )
-    return InputRow(line_number, row_id, messages)
+    else:
+        text_or_messages = messages
+    row = InputRow(line_number, row_id, text_or_messages)
+    # NOTE: a lone surrogate fails the row, not the job: the tokenizer cannot take it, but the
+    # row is well formed, and its error row tells the user which one to fix.
+    for field, value in (
+        ("id", row_id),
+        ("prompt" if messages is None else "messages", row.prompt),
+    ):
+        if (surrogate := _lone_surrogate(value)) is not None:
+            row.error = (
+                f"line {line_number}: the {field} is not valid Unicode: it has a lone surrogate "
+                f"{surrogate} (half of a UTF-16 pair, e.g. an emoji cut in two)"
+            )
+            break
+    return row
 
 
 def recover_output(path: Path) -> set[str | int]:
-    """The ids already in an output file, after cutting it back to its last complete row.
+    """The ids already in an output file, after cutting it back to its last complete row and
+    removing rows whose id an earlier row already has.
 
     A crash can leave the last line half written (no newline, or not valid JSON); it is
-    truncated away, and its request runs again.
+    truncated away, and its request runs again. Duplicates (from writers that raced before
+    the output lock existed) keep the first row of each id; the file is then rewritten
+    through a temporary file and os.replace, so a crash leaves either the old or the new one.
     """
     if not path.exists():
         return set()
@@ -121,6 +181,8 @@ def recover_output(path: Path) -> set[str | int]:
     keep = data.rfind(b"\n") + 1
     lines = data[:keep].splitlines(keepends=True)
     ids: set[str | int] = set()
+    unique: list[bytes] = []
+    num_duplicates = 0
     for number, line in enumerate(lines, start=1):
         try:
             row_id = json.loads(line)["id"]
@@ -132,15 +194,100 @@ def recover_output(path: Path) -> set[str | int]:
                 ) from None
             keep -= len(line)
             break
+        if row_id in ids:
+            num_duplicates += 1
+            continue
         ids.add(row_id)
-    if keep < len(data):
+        unique.append(line)
+    if num_duplicates:
+        # The rewrite also leaves out a torn last line.
+        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        with open(temporary, "wb") as sink:
+            sink.writelines(unique)
+            sink.flush()
+            os.fsync(sink.fileno())
+        os.replace(temporary, path)
+        print(
+            f"Removed {num_duplicates} duplicate row(s) from {path}, keeping the first row of "
+            "each id.",
+            file=sys.stderr,
+        )
+    elif keep < len(data):
         with open(path, "r+b") as sink:
             sink.truncate(keep)
+    if keep < len(data):
         print(
             f"Repaired {path}: dropped a torn last line ({len(data) - keep} bytes).",
             file=sys.stderr,
         )
     return ids
+
+
+@contextlib.contextmanager
+def output_lock(output: Path) -> Iterator[None]:
+    """Hold ``<output>.lock`` while the body runs, so that one command at a time writes output.
+
+    The lock file is created atomically (O_CREAT|O_EXCL) and holds ``pid host``. A lock whose
+    holder is alive, or on another host where it cannot be checked, raises CliError naming the
+    file and the pid; one whose pid is dead on this host (its holder was killed before it could
+    remove it) is taken over, with a note on stderr. The lock is removed when the body ends,
+    by an error or Ctrl-C too.
+    """
+    lock = output.with_name(output.name + ".lock")
+    host = socket.gethostname()
+    mine = f"{os.getpid()} {host}\n"
+    while True:
+        try:
+            descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            break
+        except FileExistsError:
+            pass
+        try:
+            held = lock.read_text()
+        except FileNotFoundError:  # its holder just removed it
+            continue
+        pid, _, holder_host = held.strip().partition(" ")
+        if not _lock_is_stale(pid, holder_host, host):
+            raise CliError(
+                f"{output} is being written by another paged-llm: {lock} is held by pid "
+                f"{pid or '?'} on {holder_host or '?'}. Wait for it to finish or stop it; if it "
+                f"is not running, delete {lock}."
+            )
+        # NOTE: read again just before unlinking, so that a lock another process has taken
+        # over since is left alone; if it has, the next O_EXCL fails and names that process.
+        with contextlib.suppress(FileNotFoundError):
+            if lock.read_text() == held:
+                lock.unlink()
+                print(
+                    f"Took over the stale lock {lock}: its pid {pid} is not running on {host}.",
+                    file=sys.stderr,
+                )
+    try:
+        os.write(descriptor, mine.encode())
+    finally:
+        os.close(descriptor)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            if lock.read_text() == mine:
+                lock.unlink()
+
+
+def _lock_is_stale(pid: str, holder_host: str, host: str) -> bool:
+    if holder_host != host or not pid.isdigit() or int(pid) == 0:
+        return False
+    # NOTE: our own pid in a lock we have not taken yet is a previous run's, e.g. a container
+    # restarted with the same pid and host name.
+    if int(pid) == os.getpid():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
 
 
 def row_seed(seed: int, row_id: str | int) -> int:
@@ -284,19 +431,26 @@ def _generate(args: argparse.Namespace) -> int:
         raise CliError("--input and --output are the same file.")
     if not args.input.is_file():
         raise CliError(f"input file {args.input} does not exist.")
+    rows = read_input(args.input)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    with output_lock(args.output):
+        return _generate_locked(args, rows)
+
+
+def _generate_locked(args: argparse.Namespace, rows: list[InputRow]) -> int:
+    # NOTE: checked under the lock, so that two commands started together cannot both find
+    # the output empty.
     if not args.resume and args.output.exists() and args.output.stat().st_size > 0:
         raise CliError(
             f"{args.output} already exists and is not empty. Pass --resume to continue it "
             "(rows already there are skipped), or choose another --output."
         )
-    rows = read_input(args.input)
     done = recover_output(args.output) if args.resume else set()
     pending = [row for row in rows if row.id not in done]
     num_skipped = len(rows) - len(pending)
     stray = len(done - {row.id for row in rows})
     if stray:
         print(f"Note: {stray} id(s) in {args.output} are not in the input.", file=sys.stderr)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
     if not pending:
         args.output.touch()
         print(f"Nothing to do: all {len(rows)} rows are already in {args.output}.")
@@ -334,7 +488,11 @@ def _run(
     )
 
     def write(record: dict[str, Any]) -> None:
-        sink.write((json.dumps(record, ensure_ascii=False) + "\n").encode())
+        try:
+            line = (json.dumps(record, ensure_ascii=False) + "\n").encode()
+        except UnicodeEncodeError:  # an id with a lone surrogate: escapes keep it exact
+            line = (json.dumps(record) + "\n").encode()
+        sink.write(line)
         sink.flush()
         os.fsync(sink.fileno())
 
@@ -344,15 +502,21 @@ def _run(
         runnable: list[InputRow] = []
         prompts: list[str | dict[str, Any]] = []
         for row in rows:
-            try:
-                prompts.append(
-                    row.prompt if isinstance(row.prompt, str) else llm.render_chat(row.prompt)
-                )
-            except Exception as error:  # a template error names the bad message
-                write({"id": row.id, "error": f"line {row.line}: cannot render messages: {error}"})
+            error = row.error
+            prompt: str | dict[str, Any] | None = (
+                row.prompt if isinstance(row.prompt, str) else None
+            )
+            if error is None and not isinstance(row.prompt, str):
+                try:
+                    prompt = llm.render_chat(row.prompt)
+                except Exception as exc:  # a template error names the bad message
+                    error = f"line {row.line}: cannot render messages: {exc}"
+            if error is not None or prompt is None:
+                write({"id": row.id, "error": error})
                 num_written += 1
                 num_errors += 1
                 continue
+            prompts.append(prompt)
             runnable.append(row)
         params = [replace(base, seed=row_seed(args.seed, row.id)) for row in runnable]
         stream = llm.generate_stream(

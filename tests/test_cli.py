@@ -1,5 +1,6 @@
-"""The `paged-llm generate` command: output rows, input errors, overwrite guard, and
-resuming after a SIGKILL to the same outputs as an uninterrupted run."""
+"""The `paged-llm generate` command: output rows, input errors, overwrite guard, the output
+lock, rows that are not valid Unicode, and resuming after a SIGKILL to the same outputs as an
+uninterrupted run."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -273,3 +275,106 @@ def test_resume_after_kill_9_matches_a_clean_run(
     assert main(["generate", "-i", str(source), "-o", str(crashed), *options, "--resume"]) == 0
     assert "Nothing to do" in capsys.readouterr().out
     assert crashed.read_bytes() == before
+
+
+def lock_for(output: Path, pid: int) -> Path:
+    lock = output.with_name(output.name + ".lock")
+    lock.write_text(f"{pid} {socket.gethostname()}\n")
+    return lock
+
+
+def test_a_second_writer_is_refused_while_the_lock_holder_lives(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
+    output = tmp_path / "out.jsonl"
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock = lock_for(output, holder.pid)
+        argv = ["generate", "-i", str(source), "-o", str(output), "-m", "missing/model"]
+        assert main([*argv, "--resume"]) == 2
+        err = capsys.readouterr().err
+        assert f"{lock} is held by pid {holder.pid}" in err
+        assert lock.read_text() == f"{holder.pid} {socket.gethostname()}\n"
+        assert not output.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_stale_lock_is_taken_over_and_every_lock_is_removed_at_exit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
+    output = write_jsonl(tmp_path / "out.jsonl", [{"id": 1, "outputs": []}])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock = lock_for(output, dead.pid)
+    argv = ["generate", "-i", str(source), "-o", str(output), "-m", "missing/model"]
+    assert main([*argv, "--resume"]) == 0
+    captured = capsys.readouterr()
+    assert f"Took over the stale lock {lock}: its pid {dead.pid} is not running" in captured.err
+    assert "Nothing to do" in captured.out
+    assert not lock.exists()
+    # An error after the lock is taken (here the model is missing) removes it too.
+    write_jsonl(source, [{"id": 1, "prompt": "hi"}, {"id": 2, "prompt": "more"}])
+    assert main([*argv, "--resume"]) == 1
+    assert not lock.exists()
+
+
+def test_resume_removes_duplicate_ids_keeping_the_first_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": "hi"} for i in (1, 2)])
+    first_of_1 = {"id": 1, "outputs": [{"text": "first"}]}
+    first_of_2 = {"id": 2, "outputs": []}
+    later = [{"id": 1, "outputs": [{"text": "again"}]}, {"id": 2, "error": "line 2: x"}]
+    rows = [first_of_1, later[0], first_of_2, later[1], '{"id": 1, "ou']
+    output = write_jsonl(tmp_path / "out.jsonl", rows)
+    argv = ["generate", "-i", str(source), "-o", str(output), "-m", "missing/model"]
+    assert main([*argv, "--resume"]) == 0
+    captured = capsys.readouterr()
+    assert f"Removed 2 duplicate row(s) from {output}" in captured.err
+    assert "dropped a torn last line" in captured.err
+    assert "Nothing to do" in captured.out
+    assert read_rows(output) == [first_of_1, first_of_2]
+    assert sorted(tmp_path.iterdir()) == [source, output]  # no temporary file left behind
+
+
+def test_rows_with_lone_surrogates_get_error_rows_and_the_job_finishes(
+    model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = [
+        {"id": 1, "prompt": "a cut emoji \ud83d"},
+        {"id": "bad\udc00id", "prompt": "hi"},
+        {"id": 3, "messages": [{"role": "user", "content": "\ud83d"}]},
+        {"id": 4, "prompt": "a fine row \U0001f600"},
+    ]
+    source = write_jsonl(tmp_path / "in.jsonl", rows)  # JSON escapes: "\ud83d"
+    output = tmp_path / "out.jsonl"
+    argv = ["generate", "-i", str(source), "-o", str(output), *engine_args(model)]
+    assert main([*argv, "--max-tokens", "3"]) == 0
+    summary = capsys.readouterr().out
+    assert "4 rows written" in summary and "(3 errors)" in summary
+    output.read_bytes().decode("utf-8")  # strict: the file is valid UTF-8
+    by_id = {row["id"]: row for row in read_rows(output)}
+    assert sorted(by_id, key=str) == sorted((row["id"] for row in rows), key=str)
+    for row_id, line, field in ((1, 1, "prompt"), ("bad\udc00id", 2, "id"), (3, 3, "messages")):
+        error = by_id[row_id]["error"]
+        assert error.startswith(f"line {line}: the {field} is not valid Unicode")
+        assert "lone surrogate" in error
+    assert by_id[4]["completion_tokens"] == 3
+    # Every id reads back as written, so resuming finds nothing to do.
+    assert main([*argv, "--max-tokens", "3", "--resume"]) == 0
+    assert "Nothing to do" in capsys.readouterr().out
+
+
+def test_a_line_that_is_not_utf8_is_a_bad_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(b'{"id": 1, "prompt": "ok"}\n{"id": 2, "prompt": "\xed\xa0\xbd"}\n')
+    output = tmp_path / "out.jsonl"
+    assert main(["generate", "-i", str(source), "-o", str(output), "-m", "missing/model"]) == 2
+    assert "in.jsonl:2: not valid UTF-8 (byte 0xed at column 22)" in capsys.readouterr().err
+    assert not output.exists()
