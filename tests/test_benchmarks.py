@@ -190,9 +190,8 @@ def test_gpu_check_script_runs_every_step_at_toy_sizes_on_the_cpu(
     )
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
     assert not (out / "failures.txt").exists()
-    for mode in ("graphs", "eager"):
-        decode = json.loads((out / f"decode_tiny-qwen3_{mode}.json").read_text())
-        assert decode["results"]
+    decode = json.loads((out / "decode_tiny-qwen3_eager.json").read_text())
+    assert decode["results"]
     throughput = json.loads((out / "throughput_a_tiny-qwen3.json").read_text())
     assert {e["label"] for e in throughput["engines"]} == {"paged_llm", "hf_static4"}
     assert "passed" in (out / "gpu_tests.log").read_text()
