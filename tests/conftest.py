@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 # ties (the default 0.02 makes a random model's logits nearly flat).
 INIT_STD = 0.5
 
-_BASE = {
+TINY_BASE_CONFIG = {
     "vocab_size": 49152,
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -122,7 +122,7 @@ def tiny_model_dir(
     def make(name: str) -> Path:
         if name not in made:
             config_class, overrides = {**TINY_MODELS, **SPECIAL_TINY_MODELS}[name]
-            config = getattr(transformers, config_class)(**{**_BASE, **overrides})
+            config = getattr(transformers, config_class)(**{**TINY_BASE_CONFIG, **overrides})
             torch.manual_seed(0)
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
             path = tmp_path_factory.mktemp(name)

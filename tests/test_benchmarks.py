@@ -18,19 +18,15 @@ from benchmarks.engines import REPO_ROOT, worker_env
 from benchmarks.roofline import MatmulParams, matmul_params, workload_flops
 from benchmarks.throughput import common_prefix_length
 from benchmarks.workloads import WorkloadSpec, build_workload
+from tests.conftest import TINY_BASE_CONFIG
 
 # NOTE: one thread: these runs check plumbing, not speed, and on a busy 2-core machine two
 # OpenMP threads that wait on each other make every step many times slower.
 THREADS = 1
 # A random-weight architecture for --random-weights-config runs.
 TINY_QWEN3_CONFIG = {
+    **TINY_BASE_CONFIG,
     "model_type": "qwen3",
-    "vocab_size": 49152,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
     "head_dim": 16,
     "max_position_embeddings": 256,
     "tie_word_embeddings": True,
