@@ -62,6 +62,7 @@ class EngineConfig:
     attention_backend: str
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    max_logprobs: int = 20
 
     @property
     def device(self) -> torch.device:
@@ -87,6 +88,7 @@ class EngineConfig:
         attention_backend: str,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
+        max_logprobs: int = 20,
     ) -> EngineConfig:
         platform = get_platform(device)
         model_max_len = getattr(hf_config, "max_position_embeddings", None)
@@ -149,6 +151,14 @@ class EngineConfig:
             attention_backend,
             "'auto', 'torch' or 'triton'",
         )
+        _check(
+            isinstance(max_logprobs, int)
+            and not isinstance(max_logprobs, bool)
+            and max_logprobs >= -1,
+            "max_logprobs",
+            max_logprobs,
+            "an integer >= 0, or -1 for the whole vocabulary",
+        )
         _check_parallel_sizes(hf_config, platform, tensor_parallel_size, data_parallel_size)
         if attention_backend == "auto":
             attention_backend = platform.default_attention_backend
@@ -175,6 +185,7 @@ class EngineConfig:
             attention_backend=attention_backend,
             tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size,
+            max_logprobs=max_logprobs,
         )
 
 

@@ -6,13 +6,17 @@ import functools
 import itertools
 import json
 import logging
+import numbers
+import threading
 import time
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Generator, Iterable, Iterator
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
@@ -42,6 +46,37 @@ class PreparedRequest:
     error: str | None = None
 
 
+class _GenerationLock:
+    """One generation at a time per LLM: the engine's batch belongs to one caller.
+
+    Held from a stream's first step to its end (finished, closed, broken out of or
+    garbage), never blocking: a second caller gets a RuntimeError that says who holds it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    def acquire(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            if self._owner == threading.get_ident():
+                holder = (
+                    "an unfinished generate_stream of this LLM holds it; finish iterating it "
+                    "or close() it first"
+                )
+            else:
+                holder = (
+                    "another thread is generating with it; an LLM runs one generation at a "
+                    "time, so wait for that call to return or give each thread its own LLM"
+                )
+            raise RuntimeError(f"Another generation is still running on this LLM: {holder}.")
+        self._owner = threading.get_ident()
+
+    def release(self) -> None:
+        self._owner = None
+        self._lock.release()
+
+
 class GenerationStream:
     """Iterates ``(input_index, RequestOutput)`` in completion order while the engine
     runs; see `LLM.generate_stream`."""
@@ -52,40 +87,60 @@ class GenerationStream:
         requests: list[PreparedRequest],
         use_tqdm: bool | Callable[..., tqdm],
         skip_errors: bool = False,
+        lock: _GenerationLock | None = None,
     ) -> None:
         self.num_requests = len(requests)
         self._engine = engine
         self._requests = requests
         self._use_tqdm = use_tqdm
         self._skip_errors = skip_errors
-        self._iterator: Iterator[tuple[int, RequestOutput]] | None = None
+        self._lock = lock or _GenerationLock()
+        self._closed = False
+        # NOTE: only a weak reference: the generator must not be kept alive by the stream
+        # (nor the stream by the generator), so that leaving a loop early frees it at once
+        # and its cleanup runs then, not whenever the cyclic GC gets to it.
+        self._iterator: weakref.ref[Generator[tuple[int, RequestOutput], None, None]] | None = None
 
     def __iter__(self) -> Iterator[tuple[int, RequestOutput]]:
-        if self._iterator is None:
-            self._iterator = self._run()
-        return self._iterator
+        if self._closed:
+            return iter(())
+        if self._iterator is not None:
+            return self._iterator() or iter(())
+        iterator = _run_stream(
+            self._engine, self._requests, self._use_tqdm, self._skip_errors, self._lock
+        )
+        self._iterator = weakref.ref(iterator)
+        return iterator
 
     def close(self) -> None:
-        """Stop early: cancel what is still running."""
-        if self._iterator is not None:
-            self._iterator.close()  # type: ignore[attr-defined]
+        """Stop early: cancel this stream's requests still running. A stream closed before
+        its first iteration runs nothing."""
+        self._closed = True
+        iterator = self._iterator() if self._iterator is not None else None
+        if iterator is not None:
+            iterator.close()
 
-    def _run(self) -> Iterator[tuple[int, RequestOutput]]:
-        engine = self._engine
-        if engine.has_unfinished():
-            raise RuntimeError(
-                "Another generation is still running on this LLM (an unfinished "
-                "generate_stream); finish iterating it or close() it first."
-            )
+
+def _run_stream(
+    engine: LLMEngine | DataParallelEngine,
+    requests: list[PreparedRequest],
+    use_tqdm: bool | Callable[..., tqdm],
+    skip_errors: bool,
+    lock: _GenerationLock,
+) -> Generator[tuple[int, RequestOutput], None, None]:
+    lock.acquire()
+    # NOTE: from here to the release, the engine's requests are this stream's only, so the
+    # cleanup's abort_all cancels nothing of another call's.
+    try:
         progress = _progress_bar(
-            self._use_tqdm, total=sum(1 if r.error else r.params.n for r in self._requests)
+            use_tqdm, total=sum(1 if r.error else r.params.n for r in requests)
         )
         metrics_before = engine.get_metrics()
         started = time.perf_counter()
         num_prompt_tokens = num_output_tokens = 0
         order: dict[str, int] = {}
         try:
-            for request in self._requests:
+            for request in requests:
                 if request.error is not None:
                     progress.update(1)
                     yield request.index, _error_output(request)
@@ -102,10 +157,10 @@ class GenerationStream:
                 try:
                     outputs = engine.step()
                 except ReplicasLostError as error:
-                    if not self._skip_errors:
+                    if not skip_errors:
                         raise
                     for request_id in error.request_ids:
-                        request = self._requests[order[request_id]]
+                        request = requests[order[request_id]]
                         progress.update(request.params.n)
                         yield request.index, _error_output(replace(request, error=str(error)))
                     continue
@@ -125,6 +180,8 @@ class GenerationStream:
                 engine.abort_all()
             progress.close()
             _log_summary(metrics_before, engine.get_metrics(), time.perf_counter() - started)
+    finally:
+        lock.release()
 
 
 def _progress_bar(use_tqdm: bool | Callable[..., tqdm], total: int) -> tqdm:
@@ -196,6 +253,12 @@ class LLM:
             "cuda"). Outputs are the same as with one replica, seeded or not. A replica that
             dies has its unfinished requests run again on the others. Replicas are spawned
             processes: a script needs the usual ``if __name__ == "__main__":`` guard.
+        max_logprobs: Most ``logprobs`` / ``prompt_logprobs`` a request may ask for (20,
+            as vLLM); -1 allows up to the whole vocabulary. A request asking for more is
+            refused with a ValueError.
+
+    One LLM runs one generation at a time: a call from a second thread while another
+    generates raises RuntimeError (give each thread its own LLM).
     """
 
     def __init__(
@@ -217,6 +280,7 @@ class LLM:
         attention_backend: str = "auto",
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
+        max_logprobs: int = 20,
     ) -> None:
         # Every argument but the model, as given: a data-parallel replica builds its engine
         # from the same settings.
@@ -245,6 +309,7 @@ class LLM:
             attention_backend=attention_backend,
             tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size,
+            max_logprobs=max_logprobs,
         )
         self.generation_config = _read_generation_config(model_dir)
         self.eos_token_ids = _eos_token_ids(self.generation_config, self.tokenizer)
@@ -265,6 +330,7 @@ class LLM:
         else:
             self.engine = LLMEngine(self.config, self.tokenizer, self.eos_token_ids)
         self._request_counter = itertools.count()
+        self._generation_lock = _GenerationLock()
 
     # ----- lifecycle --------------------------------------------------------------------
 
@@ -312,8 +378,11 @@ class LLM:
         """
         stream = self.generate_stream(prompts, sampling_params, use_tqdm, on_error)
         results: list[RequestOutput | None] = [None] * stream.num_requests
-        for index, output in stream:
-            results[index] = output
+        try:
+            for index, output in stream:
+                results[index] = output
+        finally:
+            stream.close()
         assert all(result is not None for result in results)
         return results  # type: ignore[return-value]
 
@@ -335,7 +404,9 @@ class LLM:
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}.")
         skip = on_error == "skip"
         prepared = self._prepare(prompts, sampling_params, skip_invalid=skip)
-        return GenerationStream(engine, prepared, use_tqdm, skip_errors=skip)
+        return GenerationStream(
+            engine, prepared, use_tqdm, skip_errors=skip, lock=self._generation_lock
+        )
 
     def _prepare(
         self,
@@ -343,13 +414,31 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None,
         skip_invalid: bool,
     ) -> list[PreparedRequest]:
-        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if isinstance(prompts, (str, dict)):
+            prompt_list: list[Any] = [prompts]
+        elif isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+            raise ValueError(
+                "prompts must be a str, a {'prompt_token_ids': [...]} dict, or a list of "
+                f"them, got {type(prompts).__name__}" + _BYTES_HINT.get(type(prompts), ".")
+            )
+        else:
+            prompt_list = list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
-        texts = [p for p in prompt_list if isinstance(p, str)]
+        # A text that is not valid Unicode (a lone surrogate) fails the batched tokenizer
+        # for every prompt; it is this request's error alone.
+        text_errors = {
+            index: _text_error(index, prompt)
+            for index, prompt in enumerate(prompt_list)
+            if isinstance(prompt, str)
+        }
+        texts = [prompt_list[i] for i, error in text_errors.items() if error is None]
         encoded = iter(self.tokenizer(texts)["input_ids"] if texts else [])
         prepared = []
         for index, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
-            token_ids = list(next(encoded)) if isinstance(prompt, str) else None
+            text_error = text_errors.get(index)
+            token_ids = (
+                list(next(encoded)) if isinstance(prompt, str) and text_error is None else None
+            )
             request = PreparedRequest(
                 index,
                 str(next(self._request_counter)),
@@ -358,11 +447,13 @@ class LLM:
                 params,
             )
             try:
+                if text_error is not None:
+                    raise ValueError(text_error)
                 if token_ids is None:
                     request.prompt, token_ids = self._prompt_tokens(index, prompt)
                 request.token_ids = token_ids
                 self._validate_request(index, token_ids, params)
-                request.bad_words_token_ids = self._bad_words_token_ids(params)
+                request.bad_words_token_ids = self._bad_words_token_ids(index, params)
             except ValueError as error:
                 if not skip_invalid:
                     raise
@@ -394,12 +485,21 @@ class LLM:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations.")
         conversations = messages if isinstance(messages[0], list) else [messages]
-        prompts = [
-            self.render_chat(
-                conversation, chat_template, add_generation_prompt, continue_final_message
-            )
-            for conversation in conversations
-        ]
+        prompts = []
+        for index, conversation in enumerate(conversations):
+            _check_conversation(index, conversation)
+            try:
+                prompts.append(
+                    self.render_chat(
+                        conversation, chat_template, add_generation_prompt, continue_final_message
+                    )
+                )
+            except (jinja2.TemplateError, ValueError) as error:
+                raise ValueError(
+                    f"Conversation {index}: the chat template could not render it: "
+                    f"{type(error).__name__}: {error}. Check its messages against what the "
+                    "template expects, or pass another chat_template."
+                ) from error
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def render_chat(
@@ -447,6 +547,12 @@ class LLM:
             return [self.get_default_sampling_params()] * num_prompts
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num_prompts
+        if not isinstance(sampling_params, (list, tuple)):
+            raise ValueError(
+                "sampling_params must be a SamplingParams, a list with one per prompt, or "
+                f"None, got {type(sampling_params).__name__}; build it with "
+                "SamplingParams(**fields)."
+            )
         params = list(sampling_params)
         if len(params) != num_prompts:
             raise ValueError(
@@ -464,14 +570,24 @@ class LLM:
                 f"got {type(prompt).__name__}."
             )
         token_ids = prompt["prompt_token_ids"]
-        if not isinstance(token_ids, (list, tuple)) or not all(
-            isinstance(t, int) for t in token_ids
+        if isinstance(token_ids, (str, bytes, bytearray, dict)) or not isinstance(
+            token_ids, Iterable
         ):
             raise ValueError(
                 f"Request {index}: prompt_token_ids must be a list of ints, got "
                 f"{type(token_ids).__name__}."
             )
-        return prompt.get("prompt"), list(token_ids)
+        ids = list(token_ids)
+        # Any integer type (numpy's included) is a token id; a bool is not.
+        bad = next(
+            (t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None
+        )
+        if bad is not None:
+            raise ValueError(
+                f"Request {index}: prompt_token_ids must be a list of ints, got an element "
+                f"{bad!r} of type {type(bad).__name__}."
+            )
+        return prompt.get("prompt"), [int(t) for t in ids]
 
     def _validate_request(self, index: int, token_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
@@ -514,12 +630,40 @@ class LLM:
                 f"Request {index}: SamplingParams names token id {bad}, outside the vocabulary "
                 f"[0, {self.vocab_size})."
             )
+        self._check_logprobs(index, params)
 
-    def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+    def _check_logprobs(self, index: int, params: SamplingParams) -> None:
+        """vLLM's cap: -1 asks for the whole vocabulary, allowed only with max_logprobs=-1;
+        never more than the vocabulary."""
+        max_logprobs = self.config.max_logprobs
+        limit = self.vocab_size if max_logprobs == -1 else min(max_logprobs, self.vocab_size)
+        for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            requested = getattr(params, name)
+            if requested is None:
+                continue
+            if requested == -1:
+                requested = self.vocab_size
+            if requested > limit:
+                raise ValueError(
+                    f"Request {index}: Requested {kind} logprobs of {requested}, which is "
+                    f"greater than max allowed: {limit} (the vocabulary has {self.vocab_size} "
+                    f"tokens, LLM(max_logprobs={max_logprobs})). Lower {name}, or raise "
+                    "max_logprobs (-1 allows the whole vocabulary)."
+                )
+
+    def _bad_words_token_ids(self, index: int, params: SamplingParams) -> list[list[int]]:
         """Token sequences of each bad word, at the start of a text and after a space."""
         sequences: list[list[int]] = []
         for word in params.bad_words:
+            error = _text_error(index, word, "bad word")
+            if error is not None:
+                raise ValueError(error)
             bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not bare:
+                raise ValueError(
+                    f"Request {index}: bad word {word!r} is no tokens once leading spaces are "
+                    "dropped; remove it from bad_words."
+                )
             spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
             sequences.append(bare)
             # The spaced form counts only when it is another word of the same length, as
@@ -534,6 +678,50 @@ class LLM:
         """Engine counters: requests, tokens, preemptions, prefix-cache hits (summed over
         data-parallel replicas)."""
         return self._live_engine().get_metrics()
+
+
+# Why bytes are refused: iterating them gives ints, not prompts.
+_BYTES_HINT = {
+    bytes: "; decode bytes to a str first (e.g. data.decode('utf-8')).",
+    bytearray: "; decode bytes to a str first (e.g. data.decode('utf-8')).",
+}
+
+
+def _text_error(index: int, text: str, what: str = "prompt") -> str | None:
+    """Why ``text`` cannot be tokenized (it is not valid Unicode), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return (
+            f"Request {index}: the {what} is not valid Unicode text: "
+            f"{text[error.start : error.end]!r} at position {error.start} is a lone "
+            "surrogate; decode the source with errors='replace' or drop that character."
+        )
+    return None
+
+
+def _check_conversation(index: int, conversation: Any) -> None:
+    """A conversation is a list of messages, each a dict with a str role and a str (or
+    list of parts) content."""
+    if not isinstance(conversation, list) or not conversation:
+        raise ValueError(
+            f"Conversation {index}: must be a non-empty list of messages, got "
+            f"{type(conversation).__name__}."
+        )
+    for position, message in enumerate(conversation):
+        where = f"Conversation {index}, message {position}"
+        if not isinstance(message, dict):
+            raise ValueError(
+                f"{where}: must be a dict with 'role' and 'content', got {type(message).__name__}."
+            )
+        if not isinstance(message.get("role"), str):
+            raise ValueError(f"{where}: 'role' must be a str, got {message.get('role')!r}.")
+        content = message.get("content")
+        if not isinstance(content, (str, list)):
+            raise ValueError(
+                f"{where}: 'content' must be a str (or a list of content parts), got "
+                f"{content!r}; use '' for an empty message."
+            )
 
 
 def _replica_engine(model_dir: Path, settings: dict[str, Any]) -> LLMEngine:

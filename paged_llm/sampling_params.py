@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Generic, TypeVar, overload
 
 # Below this temperature sampling is greedy, as in vLLM.
 _GREEDY_EPS = 1e-5
+
+_FLOAT_FIELDS = (
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "temperature",
+    "top_p",
+    "min_p",
+)
 
 _T = TypeVar("_T")
 
@@ -113,7 +123,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
-        if self.top_k == -1:
+        if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
         self.verify()
         if self.is_greedy:
@@ -127,7 +137,12 @@ class SamplingParams:
 
     def verify(self) -> None:
         """Raise ValueError naming the first field whose value is out of range."""
-        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
+        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
+        # NOTE: first, so the range checks below compare finite numbers only (inf and nan
+        # pass some of them, None fails them with a bare TypeError).
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            _check(_is_finite(value), name, value, "a finite number")
         for name in (
             "include_stop_str_in_output",
             "ignore_eos",
@@ -144,21 +159,21 @@ class SamplingParams:
         _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0 (0 means greedy)")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
         _check(
-            isinstance(self.top_k, int) and self.top_k >= 0,
+            _is_int(self.top_k) and self.top_k >= 0,
             "top_k",
             self.top_k,
             "an integer >= 1, or 0 / -1 to disable",
         )
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an int or None")
+        _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "an int or None")
         _check(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
             "max_tokens",
             self.max_tokens,
             "an integer >= 1, or None for up to max_model_len",
         )
         _check(
-            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            _is_int(self.min_tokens) and self.min_tokens >= 0,
             "min_tokens",
             self.min_tokens,
             "an integer >= 0",
@@ -173,7 +188,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(
-                value is None or (isinstance(value, int) and value >= -1),
+                value is None or (_is_int(value) and value >= -1),
                 name,
                 value,
                 "None, an integer >= 0, or -1 for the whole vocabulary",
@@ -191,7 +206,7 @@ class SamplingParams:
             "empty when detokenize=False (stop strings need text)",
         )
         _check(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
             self.stop_token_ids,
             "non-negative token ids",
@@ -205,7 +220,8 @@ class SamplingParams:
         if self.logit_bias is not None:
             _check(
                 all(
-                    isinstance(t, int) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()
+                    _is_int(t) and _is_finite(b) and -100.0 <= b <= 100.0
+                    for t, b in self.logit_bias.items()
                 ),
                 "logit_bias",
                 self.logit_bias,
@@ -214,7 +230,7 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             _check(
                 len(self.allowed_token_ids) > 0
-                and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
+                and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids),
                 "allowed_token_ids",
                 self.allowed_token_ids,
                 "a non-empty list of token ids",
@@ -231,3 +247,12 @@ class SamplingParams:
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
         raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}.")
+
+
+def _is_int(value: object) -> bool:
+    """An int that is not a bool (``True`` is an int to Python, not a count here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -87,6 +87,19 @@ class FreeBlockQueue:
         block.prev_free = block.next_free = None
         self._len -= 1
 
+    def salvage_order(self) -> list[KVCacheBlock]:
+        """The blocks linked from the head, each once, even where links are half-written.
+
+        An interrupted `append` or `remove` can leave a link missing or stale; the walk
+        stops at the tail, a missing link or a block already seen.
+        """
+        order: dict[int, KVCacheBlock] = {}
+        node = self._head.next_free
+        while node is not None and node is not self._tail and node.block_id not in order:
+            order[node.block_id] = node
+            node = node.next_free
+        return list(order.values())
+
 
 class BlockManager:
     """Allocates blocks to sequences and shares full blocks between identical prefixes."""
@@ -223,3 +236,32 @@ class BlockManager:
                 self.free_queue.append(block)
         seq.block_table.clear()
         self._num_registered_blocks.pop(seq.seq_id, None)
+
+    def reset(self) -> None:
+        """Return every block to the pool, once no sequence holds any (`Scheduler.abort_all`).
+
+        The prefix cache survives: cached blocks stay findable until reused.
+        """
+        # NOTE: this is the repair path after an interrupt (a KeyboardInterrupt in a
+        # notebook) between any two lines of a mutation: `allocate_slots`, `fork`,
+        # `free`, `cache_full_blocks`, `_evict` or the free queue's own updates. Those
+        # keep no invariant mid-way, so this trusts none of the derived state and
+        # rebuilds it from the blocks alone: every ref count is 0 (nobody holds a
+        # block), the free queue holds every block once (its old order where the links
+        # from its head still hold, then the blocks that were in use), and a hash stays
+        # cached only where the block and the map agree on it. Idempotent, so an
+        # interrupt inside it is repaired by calling it again.
+        order = self.free_queue.salvage_order()
+        salvaged = {block.block_id for block in order}
+        order += [block for block in self.blocks if block.block_id not in salvaged]
+        for block in self.blocks:
+            block.ref_count = 0
+            block.prev_free = block.next_free = None
+            if (
+                block.block_hash is not None
+                and self.cached_blocks.get(block.block_hash) is not block
+            ):
+                block.block_hash = None
+        self.cached_blocks = {h: b for h, b in self.cached_blocks.items() if b.block_hash == h}
+        self.free_queue = FreeBlockQueue(order)
+        self._num_registered_blocks.clear()

@@ -189,13 +189,19 @@ class Scheduler:
         return False
 
     def abort_all(self) -> None:
-        for seq in self.running:
-            self.block_manager.free(seq)
-            seq.status = SequenceStatus.FINISHED
-        for seq in self.waiting:
-            seq.status = SequenceStatus.FINISHED
+        """Drop every sequence and return all blocks to the pool.
+
+        Safe after an interrupt anywhere in a step: the pool is rebuilt, not freed
+        sequence by sequence, so a half-done allocation, fork or free leaks nothing.
+        """
+        for seq in [*self.running, *self.waiting]:
+            # Siblings not forked yet, or forked by an interrupted `_fork`.
+            for member in (seq, *seq.pending_forks):
+                member.block_table.clear()
+                member.status = SequenceStatus.FINISHED
         self.running.clear()
         self.waiting.clear()
+        self.block_manager.reset()
 
     def stop_at_string(self, seq: Sequence, stop_str: str) -> None:
         """End a running sequence whose text reached one of its stop strings."""

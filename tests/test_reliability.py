@@ -1,0 +1,277 @@
+"""Defects from an adversarial run: streams left early, two threads, bad requests that
+escaped validation, unclear errors."""
+
+from __future__ import annotations
+
+import gc
+import math
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from paged_llm import LLM, SamplingParams
+
+MAX_MODEL_LEN = 128
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir: Callable[[str], Path]) -> Iterator[LLM]:
+    with LLM(tiny_model_dir("llama"), max_model_len=MAX_MODEL_LEN) as instance:
+        yield instance
+
+
+def _prompts(count: int, first: int = 400) -> list[dict[str, list[int]]]:
+    return [{"prompt_token_ids": [first + i] * 10} for i in range(count)]
+
+
+def _engine_is_idle(llm: LLM) -> bool:
+    engine = llm.engine
+    assert engine is not None
+    return not engine.has_unfinished()
+
+
+# ----- 1. leaving a stream early ------------------------------------------------------------
+
+
+def test_breaking_out_of_a_stream_cancels_it_at_once_with_the_gc_off(llm: LLM) -> None:
+    gc.disable()
+    try:
+        stream = llm.generate_stream(_prompts(4), LONG)
+        for _ in stream:
+            break
+        # The stream is still referenced, and no cyclic GC runs: cleanup must have run.
+        assert _engine_is_idle(llm)
+        outputs = llm.generate(_prompts(3, 600), GREEDY, use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4, 4]
+        assert list(stream) == []
+    finally:
+        gc.enable()
+
+
+def test_an_exception_in_the_loop_body_cancels_the_stream(llm: LLM) -> None:
+    gc.disable()
+    try:
+        stream = llm.generate_stream(_prompts(4), LONG)
+        with pytest.raises(KeyError):
+            for _ in stream:
+                raise KeyError("boom")
+        assert _engine_is_idle(llm)
+        streamed = list(llm.generate_stream(_prompts(3, 700), GREEDY))
+        assert sorted(index for index, _ in streamed) == [0, 1, 2]
+    finally:
+        gc.enable()
+
+
+def test_a_late_collected_stream_never_cancels_a_later_call(llm: LLM) -> None:
+    stream = llm.generate_stream(_prompts(4), LONG)
+    iterator = iter(stream)
+    next(iterator)
+    stream.close()
+    del iterator
+    later = llm.generate_stream(_prompts(3, 800), GREEDY)
+    results = []
+    for item in later:
+        results.append(item)
+        stream.close()  # closing (and dropping) the first stream must not touch this one
+        gc.collect()
+    assert sorted(index for index, _ in results) == [0, 1, 2]
+    assert all(len(output.outputs[0].token_ids) == 4 for _, output in results)
+
+
+def test_closing_a_stream_before_iterating_runs_nothing(llm: LLM) -> None:
+    engine = llm.engine
+    assert engine is not None
+    before = engine.get_metrics().num_requests
+    stream = llm.generate_stream(_prompts(2), GREEDY)
+    stream.close()
+    assert list(stream) == []
+    assert engine.get_metrics().num_requests == before
+    assert len(llm.generate(_prompts(2), GREEDY, use_tqdm=False)) == 2
+
+
+# ----- 2. two threads ------------------------------------------------------------------
+
+
+def test_a_second_thread_gets_a_clear_error_and_the_first_finishes(llm: LLM) -> None:
+    first = llm.generate_stream(_prompts(3), LONG)
+    iterator = iter(first)
+    next(iterator)  # the main thread now holds the generation
+    errors: list[BaseException] = []
+
+    def second() -> None:
+        try:
+            llm.generate(["x"], GREEDY, use_tqdm=False)
+        except BaseException as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    thread.join()
+    (error,) = errors
+    assert isinstance(error, RuntimeError)
+    assert "another thread" in str(error) and "generate_stream" not in str(error)
+    rest = list(iterator)
+    assert len(rest) == 2 and all(len(o.outputs[0].token_ids) == 30 for _, o in rest)
+    assert _engine_is_idle(llm)
+
+
+def test_two_threads_generating_never_corrupt_each_other(llm: LLM) -> None:
+    results: list[list[int]] = []
+    refused: list[RuntimeError] = []
+
+    def worker(first: int) -> None:
+        for _ in range(3):
+            try:
+                outputs = llm.generate(_prompts(2, first), GREEDY, use_tqdm=False)
+            except RuntimeError as error:
+                refused.append(error)
+                continue
+            results.append([len(o.outputs[0].token_ids) for o in outputs])
+
+    threads = [threading.Thread(target=worker, args=(first,)) for first in (300, 900)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(lengths == [4, 4] for lengths in results)
+    assert len(results) + len(refused) == 6
+    assert all("Another generation is still running" in str(e) for e in refused)
+    assert _engine_is_idle(llm)
+    assert len(llm.generate(_prompts(2), GREEDY, use_tqdm=False)) == 2
+
+
+# ----- 3. bad requests under on_error="skip" --------------------------------------------
+
+
+def test_bad_requests_that_broke_the_batch_are_skipped_with_their_index(llm: LLM) -> None:
+    prompts = ["good", "bad word", "lone \ud800 surrogate", "logprobs", "prompt logprobs"]
+    params = [
+        GREEDY,
+        SamplingParams(bad_words=[" "], max_tokens=2),
+        GREEDY,
+        SamplingParams(logprobs=50000, max_tokens=2),
+        SamplingParams(prompt_logprobs=50000, max_tokens=2),
+    ]
+    outputs = llm.generate(prompts, params, use_tqdm=False, on_error="skip")
+    assert outputs[0].error is None and len(outputs[0].outputs[0].token_ids) == 4
+    assert "Request 1: bad word ' '" in outputs[1].error
+    assert "Request 2:" in outputs[2].error and "surrogate" in outputs[2].error
+    assert "Request 3: Requested sample logprobs of 50000" in outputs[3].error
+    assert "Request 4: Requested prompt logprobs of 50000" in outputs[4].error
+    with pytest.raises(ValueError, match=r"Request 1: the prompt is not valid Unicode"):
+        llm.generate(["fine", "\ud800"], GREEDY, use_tqdm=False)
+
+
+def test_logprobs_above_the_vocabulary_are_refused_even_without_a_cap(
+    tiny_model_dir: Callable[[str], Path],
+) -> None:
+    with LLM(tiny_model_dir("llama"), max_model_len=MAX_MODEL_LEN, max_logprobs=-1) as llm:
+        vocab = llm.vocab_size
+        with pytest.raises(ValueError, match=rf"logprobs of {vocab + 1}, .* max allowed: {vocab}"):
+            llm.generate(["x"], SamplingParams(logprobs=vocab + 1), use_tqdm=False)
+        (output,) = llm.generate(["x"], SamplingParams(logprobs=-1, max_tokens=1), use_tqdm=False)
+        assert len(output.outputs[0].logprobs[0]) >= vocab
+
+
+# ----- 4. SamplingParams floats ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        "temperature",
+        "top_p",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ],
+)
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, None, "0.5"])
+def test_every_float_field_must_be_a_finite_number(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be a finite number"):
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
+
+
+def test_logit_bias_must_be_finite() -> None:
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: math.nan})
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"n": True}, {"top_k": True}, {"max_tokens": True}, {"logprobs": True}, {"seed": False}],
+)
+def test_bools_are_not_integers(fields: dict[str, object]) -> None:
+    (name,) = fields
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{name} must be"):
+        SamplingParams(**fields)  # type: ignore[arg-type]
+
+
+# ----- 5. max_logprobs ----------------------------------------------------------------
+
+
+def test_max_logprobs_caps_requests_as_vllm_does(llm: LLM) -> None:
+    assert llm.config.max_logprobs == 20
+    (output,) = llm.generate(["x"], SamplingParams(logprobs=20, max_tokens=1), use_tqdm=False)
+    assert output.error is None
+    with pytest.raises(
+        ValueError,
+        match=r"Request 0: Requested sample logprobs of 21, which is greater than max allowed: 20",
+    ):
+        llm.generate(["x"], SamplingParams(logprobs=21), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"Requested prompt logprobs of \d+, .*max allowed: 20"):
+        llm.generate(["x"], SamplingParams(prompt_logprobs=-1), use_tqdm=False)
+
+
+def test_max_logprobs_is_validated(tiny_model_dir: Callable[[str], Path]) -> None:
+    with pytest.raises(ValueError, match=r"LLM argument max_logprobs must be"):
+        LLM(tiny_model_dir("llama"), max_model_len=MAX_MODEL_LEN, max_logprobs=-2)
+
+
+# ----- 6. unclear errors --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prompts", "message"),
+    [
+        (None, r"prompts must be a str, .* got NoneType"),
+        (5, r"prompts must be a str, .* got int"),
+        (b"hello", r"got bytes; decode bytes to a str first"),
+        ([b"hello"], r"Request 0: a prompt must be a str or a dict .* got bytes"),
+        ([{"prompt_token_ids": [True, False]}], r"Request 0: prompt_token_ids .* type bool"),
+        ([{"prompt_token_ids": [1.0, 2.0]}], r"Request 0: prompt_token_ids .* type float"),
+    ],
+)
+def test_bad_prompts_get_clear_errors(llm: LLM, prompts: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, GREEDY, use_tqdm=False)  # type: ignore[arg-type]
+
+
+def test_numpy_token_ids_are_ints(llm: LLM) -> None:
+    ids = [5, 6, 7]
+    (expected,) = llm.generate([{"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
+    for given in (np.array(ids, dtype=np.int64), [np.int32(t) for t in ids]):
+        (output,) = llm.generate([{"prompt_token_ids": given}], GREEDY, use_tqdm=False)
+        assert output.prompt_token_ids == ids
+        assert all(type(t) is int for t in output.prompt_token_ids)
+        assert output.outputs[0].token_ids == expected.outputs[0].token_ids
+
+
+def test_a_dict_as_sampling_params_is_named(llm: LLM) -> None:
+    with pytest.raises(ValueError, match=r"sampling_params must be a SamplingParams.* got dict"):
+        llm.generate(["x"], {"temperature": 0}, use_tqdm=False)  # type: ignore[arg-type]
+
+
+def test_chat_errors_name_the_conversation(llm: LLM) -> None:
+    good = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match=r"Conversation 1, message 0: 'content' must be a str"):
+        llm.chat([good, [{"role": "user", "content": None}]], GREEDY, use_tqdm=False)
+    template = "{{ messages[0].missing.deeper }}"
+    with pytest.raises(ValueError, match=r"Conversation 0: the chat template .*UndefinedError"):
+        llm.chat(good, GREEDY, use_tqdm=False, chat_template=template)
