@@ -61,6 +61,8 @@ class EngineOptions:
     # ``threads`` cores.
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    # paged_llm only: LLM(batch_invariant=...).
+    batch_invariant: bool = False
 
 
 @dataclass
@@ -125,6 +127,7 @@ class PagedLLMEngine(Engine):
             enable_prefix_caching=options.enable_prefix_caching,
             tensor_parallel_size=options.tensor_parallel_size,
             data_parallel_size=options.data_parallel_size,
+            batch_invariant=options.batch_invariant,
         )
 
     def generate(self, requests: list[BenchRequest]) -> list[list[int]]:
@@ -148,6 +151,7 @@ class PagedLLMEngine(Engine):
             "enable_prefix_caching": config.enable_prefix_caching,
             "tensor_parallel_size": config.tensor_parallel_size,
             "data_parallel_size": config.data_parallel_size,
+            "batch_invariant": config.batch_invariant,
         }
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ Run from the repository root:
     python -m benchmarks.throughput --device cuda --random-weights-config qwen3-0.6b
     python -m benchmarks.throughput --engines paged_llm --tensor-parallel-size 2 \
         --data-parallel-size 2
+    python -m benchmarks.throughput --engines paged_llm --batch-invariant
 """
 
 from __future__ import annotations
@@ -164,6 +165,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         help="also run paged_llm as this many data-parallel replicas (each with its share "
         "of --threads)",
+    )
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="also run paged_llm with batch_invariant=True, to measure what it costs",
     )
     parser.add_argument(
         "--skip-roofline", action="store_true", help="do not measure matmul GFLOP/s"
@@ -403,6 +409,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ]:
             if size > 1:
                 jobs.append((label, REFERENCE_ENGINE, replace(options, **{size_field: size})))
+        if args.batch_invariant:
+            jobs.append(
+                (
+                    "paged_llm batch-invariant",
+                    REFERENCE_ENGINE,
+                    replace(options, batch_invariant=True),
+                )
+            )
         runs: list[tuple[str, EngineRun]] = []
         for label, name, engine_options in jobs:
             runs.append((label, run_engine_in_subprocess(name, engine_options, workload, work_dir)))

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from paged_llm.layers.attention import ATTENTION_BACKENDS
 from paged_llm.platforms import Platform, get_platform
 
 _DTYPES = {
@@ -63,6 +64,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     max_logprobs: int = 20
+    batch_invariant: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -89,6 +91,7 @@ class EngineConfig:
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
         max_logprobs: int = 20,
+        batch_invariant: bool = False,
     ) -> EngineConfig:
         platform = get_platform(device)
         model_max_len = getattr(hf_config, "max_position_embeddings", None)
@@ -168,6 +171,9 @@ class EngineConfig:
                 "TRITON_INTERPRET=1 before importing paged_llm (slow; meant for tests), or use "
                 "attention_backend='torch' (the CPU default)."
             )
+        _check(isinstance(batch_invariant, bool), "batch_invariant", batch_invariant, "a bool")
+        if batch_invariant:
+            _check_batch_invariance(attention_backend, tensor_parallel_size)
         return cls(
             model_dir=model_dir,
             hf_config=hf_config,
@@ -186,6 +192,23 @@ class EngineConfig:
             tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size,
             max_logprobs=max_logprobs,
+            batch_invariant=batch_invariant,
+        )
+
+
+def _check_batch_invariance(attention_backend: str, tensor_parallel_size: int) -> None:
+    if not ATTENTION_BACKENDS[attention_backend].supports_batch_invariance:
+        raise ValueError(
+            f"batch_invariant=True: the {attention_backend!r} attention backend cannot compute "
+            "a token's attention independently of the rest of the batch; use "
+            "attention_backend='torch'."
+        )
+    if tensor_parallel_size != 1:
+        # NOTE: a collective's summation order over more than two ranks can change with the
+        # message size, that is with the batch.
+        raise ValueError(
+            f"batch_invariant=True is implemented for tensor_parallel_size=1, got "
+            f"{tensor_parallel_size}; use data_parallel_size for more processes."
         )
 
 

@@ -256,6 +256,10 @@ class LLM:
         max_logprobs: Most ``logprobs`` / ``prompt_logprobs`` a request may ask for (20,
             as vLLM); -1 allows up to the whole vocabulary. A request asking for more is
             refused with a ValueError.
+        batch_invariant: Compute every token's logits independently of the batch: of the
+            other requests in a step, of how its prompt was chunked and of which prefix
+            came from the prefix cache. Seeded (and greedy) outputs are then bit-identical
+            in every run; it costs speed (see docs/usage.md, reproducibility).
 
     One LLM runs one generation at a time: a call from a second thread while another
     generates raises RuntimeError (give each thread its own LLM).
@@ -281,6 +285,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
         max_logprobs: int = 20,
+        batch_invariant: bool = False,
     ) -> None:
         # Every argument but the model, as given: a data-parallel replica builds its engine
         # from the same settings.
@@ -310,6 +315,7 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size,
             max_logprobs=max_logprobs,
+            batch_invariant=batch_invariant,
         )
         self.generation_config = _read_generation_config(model_dir)
         self.eos_token_ids = _eos_token_ids(self.generation_config, self.tokenizer)

@@ -297,7 +297,7 @@ def test_bad_words_are_never_generated(llm: LLM) -> None:
     assert word
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, bad_words=[word])
     completion = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
-    banned = llm._bad_words_token_ids(params)
+    banned = llm._bad_words_token_ids(0, params)
     for sequence in banned:
         size = len(sequence)
         windows = [

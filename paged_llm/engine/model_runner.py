@@ -25,7 +25,7 @@ from paged_llm.engine.sampling_metadata import build_sampling_metadata
 from paged_llm.engine.scheduler import ScheduledBatch
 from paged_llm.engine.sequence import RawLogprobs, Sequence
 from paged_llm.layers.attention import Attention, get_attention_backend
-from paged_llm.layers.linear import prepack_for_cpu
+from paged_llm.layers.linear import prepack_for_cpu, use_fixed_row_tiles
 from paged_llm.layers.sampler import LogprobsTensors, Sampler, compute_logprobs
 from paged_llm.loader import load_weights
 from paged_llm.models import get_model_class
@@ -54,6 +54,8 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalL
     load_weights(model, config.model_dir)
     if platform.prepacks_linear_weights:
         prepack_for_cpu(model, config.dtype)
+    if config.batch_invariant:
+        use_fixed_row_tiles(model)
     return model.eval()
 
 
@@ -142,6 +144,7 @@ class ModelRunner:
         self.attention_backend.setup(
             self.kv_bytes_per_token // len(self.attention_layers),
             any(layer.sliding_window is not None for layer in self.attention_layers),
+            self.config.batch_invariant,
         )
         budget = self.platform.kv_cache_budget_bytes(
             self.config, self.kv_bytes_per_token, self._profile_step

@@ -43,6 +43,9 @@ class AttentionBackend(abc.ABC):
     # Whether a step can run from static device buffers alone, as a CUDA graph replays it
     # (a backend that reads host-side metadata, such as per-sequence lengths, cannot).
     supports_decode_graphs: ClassVar[bool] = False
+    # Whether `setup(batch_invariant=True)` makes a query's output independent of the rest
+    # of the step: of the other sequences, of how its own context was chunked or cached.
+    supports_batch_invariance: ClassVar[bool] = False
 
     @staticmethod
     def kv_cache_shape(
@@ -51,9 +54,12 @@ class AttentionBackend(abc.ABC):
         """Shape of one layer's key (or value) cache."""
         return (num_blocks, block_size, num_kv_heads, head_dim)
 
-    def setup(self, kv_bytes_per_token: int, has_sliding_window: bool) -> None:
+    def setup(
+        self, kv_bytes_per_token: int, has_sliding_window: bool, batch_invariant: bool = False
+    ) -> None:
         """Learn the cache geometry once the model is built: the key and value bytes of
-        one token in one layer, and whether any layer uses a sliding window."""
+        one token in one layer, and whether any layer uses a sliding window; and whether
+        results must be batch-invariant (only where `supports_batch_invariance`)."""
         return None
 
     def prepare(self, metadata: AttentionMetadata) -> Any:

@@ -13,6 +13,12 @@ read as little as it can:
   each sequence then attends to its own suffix, and the two softmax parts are merged.
 
 Prefill chunks run per sequence through SDPA.
+
+Batch-invariant mode gives up the shortcuts whose floating-point sums depend on the rest of
+the step: every query token, prefill or decode, attends like a decode over its own
+context (no SDPA, whose kernel and splits change with the chunk's shape), and no cascade
+(whose split softmax depends on which sequences share the prefix). The decode matmuls'
+per-row results depend neither on the batch nor on the zero-weight padding (measured).
 """
 
 from __future__ import annotations
@@ -97,20 +103,25 @@ class TorchAttentionBackend(AttentionBackend):
     tables yields ``[Hkv, seqs, context, D]``, which batched matmuls consume as is."""
 
     name = "torch"
+    supports_batch_invariance = True
 
     def __init__(self) -> None:
         self.cascade = True
+        self.batch_invariant = False
         # Until setup() tells the real size: float32 keys and values of one 128-dim head.
         self._kv_bytes_per_token = 2 * 128 * 4
         # NOTE: gathers land in this reused buffer: a fresh tensor of tens of megabytes per
         # layer would be mmap'd and page-faulted in every time (4x slower, measured).
         self._workspace = torch.empty(0)
 
-    def setup(self, kv_bytes_per_token: int, has_sliding_window: bool) -> None:
+    def setup(
+        self, kv_bytes_per_token: int, has_sliding_window: bool, batch_invariant: bool = False
+    ) -> None:
         self._kv_bytes_per_token = kv_bytes_per_token
+        self.batch_invariant = batch_invariant
         # Cascade attention splits the softmax at the shared prefix; a sliding window would
         # cut into that prefix.
-        self.cascade = not has_sliding_window
+        self.cascade = not has_sliding_window and not batch_invariant
 
     @staticmethod
     def kv_cache_shape(
@@ -123,29 +134,35 @@ class TorchAttentionBackend(AttentionBackend):
     def prepare(self, metadata: AttentionMetadata) -> _StepPlan:
         qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
         block_size = metadata.block_size
-        decodes: list[int] = []
+        # Query tokens attended as decodes: their sequence, row in the flat batch and
+        # context length.
+        decode_seqs: list[int] = []
+        decode_tokens: list[int] = []
+        context_lens: list[int] = []
         prefills: list[_PrefillSeq] = []
         for b, seq_len in enumerate(seq_lens):
             start, end = qsl[b], qsl[b + 1]
-            if end - start == 1:
-                decodes.append(b)
+            if end - start == 1 or self.batch_invariant:
+                decode_seqs.extend([b] * (end - start))
+                decode_tokens.extend(range(start, end))
+                context_lens.extend(range(seq_len - (end - start) + 1, seq_len + 1))
                 continue
             block_ids = causal_mask = None
             if seq_len > end - start:
                 block_ids = metadata.block_tables[b, : -(-seq_len // block_size)].long()
                 causal_mask = _visible(end - start, seq_len, block_ids.device)
             prefills.append(_PrefillSeq(slice(start, end), seq_len, block_ids, causal_mask))
-        if not decodes:
+        if not decode_tokens:
             return _StepPlan(prefills, [], None)
 
         device = metadata.block_tables.device
-        tables = metadata.block_tables[torch.tensor(decodes, device=device)].long()
-        context_lens = [seq_lens[b] for b in decodes]
+        tables = metadata.block_tables[torch.tensor(decode_seqs, device=device)].long()
+        num_decodes = len(decode_tokens)
         # Blocks each decode skips because the shared prefix covers them.
-        skipped = [0] * len(decodes)
+        skipped = [0] * num_decodes
         members: list[int] = []
         num_shared = 0
-        if self.cascade and len(decodes) >= _CASCADE_MIN_SEQS:
+        if self.cascade and num_decodes >= _CASCADE_MIN_SEQS:
             members, num_shared = _shared_prefix_blocks(tables, context_lens, block_size)
             if num_shared < _CASCADE_MIN_BLOCKS:
                 members, num_shared = [], 0
@@ -155,9 +172,9 @@ class TorchAttentionBackend(AttentionBackend):
         chunks: list[_DecodeChunk] = []
         shared_token_idx: list[int] = []
         # Members first, so that their rows of the shared-prefix results are contiguous.
-        for part in (members, [i for i in range(len(decodes)) if i not in member_set]):
+        for part in (members, [i for i in range(num_decodes) if i not in member_set]):
             for rows in self._length_chunks(part, context_lens, skipped, block_size):
-                token_idx = [qsl[decodes[i]] for i in rows]
+                token_idx = [decode_tokens[i] for i in rows]
                 shared_rows = None
                 if rows[0] in member_set:
                     start = len(shared_token_idx)
