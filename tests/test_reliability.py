@@ -1,18 +1,25 @@
 """Defects from an adversarial run: streams left early, two threads, bad requests that
-escaped validation, unclear errors."""
+escaped validation, unclear errors; and random interleavings of all of them."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
 
-from paged_llm import LLM, SamplingParams
+from paged_llm import LLM, RequestOutput, SamplingParams
+from paged_llm.engine.block_manager import BlockManager
+from paged_llm.engine.llm_engine import LLMEngine
+from tests.engine.helpers import Interrupter, assert_pool_consistent
 
 MAX_MODEL_LEN = 128
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -256,8 +263,8 @@ def test_bad_prompts_get_clear_errors(llm: LLM, prompts: object, message: str) -
 def test_numpy_token_ids_are_ints(llm: LLM) -> None:
     ids = [5, 6, 7]
     (expected,) = llm.generate([{"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
-    for given in (np.array(ids, dtype=np.int64), [np.int32(t) for t in ids]):
-        (output,) = llm.generate([{"prompt_token_ids": given}], GREEDY, use_tqdm=False)
+    for token_ids in (np.array(ids, dtype=np.int64), [np.int32(t) for t in ids]):
+        (output,) = llm.generate([{"prompt_token_ids": token_ids}], GREEDY, use_tqdm=False)
         assert output.prompt_token_ids == ids
         assert all(type(t) is int for t in output.prompt_token_ids)
         assert output.outputs[0].token_ids == expected.outputs[0].token_ids
@@ -275,3 +282,90 @@ def test_chat_errors_name_the_conversation(llm: LLM) -> None:
     template = "{{ messages[0].missing.deeper }}"
     with pytest.raises(ValueError, match=r"Conversation 0: the chat template .*UndefinedError"):
         llm.chat(good, GREEDY, use_tqdm=False, chat_template=template)
+
+
+# ----- 7. random interleavings ----------------------------------------------------------
+
+# Shared prefixes (cache hits), n=2 (forks) and a pool of 12 blocks of 16 tokens, so that
+# the streams below preempt and evict as they go.
+INTERLEAVED_PROMPTS = [
+    {"prompt_token_ids": [300 + i % 3] * 24 + [900 + i] * (4 + 7 * i)} for i in range(5)
+]
+INTERLEAVED_PARAMS = [
+    SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=2 if i == 1 else 1)
+    for i in range(5)
+]
+MUTATIONS = [
+    BlockManager.allocate_slots,
+    BlockManager.fork,
+    BlockManager.free,
+    BlockManager.cache_full_blocks,
+    BlockManager._evict,
+]
+
+
+@pytest.fixture(scope="module")
+def crowded_llm(tiny_model_dir: Callable[[str], Path]) -> Iterator[LLM]:
+    # Batch-invariant, so that a run after any history of cache hits and evictions must give
+    # exactly the reference tokens.
+    with LLM(
+        tiny_model_dir("llama"),
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_memory_bytes=12 * 8192,
+        max_num_batched_tokens=32,
+        batch_invariant=True,
+    ) as instance:
+        yield instance
+
+
+def _completions(outputs: list[RequestOutput]) -> list[list[list[int]]]:
+    return [[c.token_ids for c in output.outputs] for output in outputs]
+
+
+def _leave_stream(llm: LLM, after: int, by_raising: bool) -> None:
+    stream = llm.generate_stream(INTERLEAVED_PROMPTS, INTERLEAVED_PARAMS)
+    with contextlib.suppress(KeyError):
+        for count, _ in enumerate(stream):
+            if count == after:
+                if by_raising:
+                    raise KeyError("the loop body failed")
+                break
+
+
+# The first example's run; every later one must reproduce it.
+_INTERLEAVED_REFERENCE: dict[str, list[list[list[int]]]] = {}
+
+interleaved_operations = st.one_of(
+    st.tuples(st.just("generate")),
+    st.tuples(st.sampled_from(["break", "raise"]), st.integers(0, 4)),
+    st.tuples(st.just("interrupt"), st.sampled_from(range(len(MUTATIONS))), st.integers(1, 40)),
+)
+
+
+@settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=st.lists(interleaved_operations, min_size=1, max_size=4))
+def test_random_interleavings_of_streams_left_early_and_interrupts_leave_the_engine_whole(
+    crowded_llm: LLM, ops: list[tuple[Any, ...]]
+) -> None:
+    llm = crowded_llm
+    engine = llm.engine
+    assert isinstance(engine, LLMEngine)
+
+    def generate() -> list[RequestOutput]:
+        return llm.generate(INTERLEAVED_PROMPTS, INTERLEAVED_PARAMS, use_tqdm=False)
+
+    reference = _INTERLEAVED_REFERENCE.setdefault("tokens", _completions(generate()))
+    assert engine.get_metrics().num_preemptions > 0
+    for op in ops:
+        if op[0] == "generate":
+            assert _completions(generate()) == reference
+        elif op[0] in ("break", "raise"):
+            _leave_stream(llm, op[1], by_raising=op[0] == "raise")
+        else:
+            Interrupter(MUTATIONS[op[1]].__code__, op[2]).run(generate)
+        assert not engine.has_unfinished()
+        assert_pool_consistent(engine.scheduler)
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert _completions(generate()) == reference
