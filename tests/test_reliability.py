@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -369,3 +370,28 @@ def test_random_interleavings_of_streams_left_early_and_interrupts_leave_the_eng
         assert_pool_consistent(engine.scheduler)
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert _completions(generate()) == reference
+
+
+# ----- 8. memory over LLM lifetimes -----------------------------------------------------
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads Linux's /proc")
+def test_memory_stays_flat_over_create_and_shutdown_cycles(
+    tiny_model_dir: Callable[[str], Path],
+) -> None:
+    # A 64 MiB cache each time: keeping one alive per cycle would add 256 MiB over five.
+    cache_bytes = 64 * 2**20
+    resident = []
+    for _ in range(5):
+        with LLM(
+            tiny_model_dir("llama"), max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=cache_bytes
+        ) as instance:
+            instance.generate(_prompts(4), GREEDY, use_tqdm=False)
+        gc.collect()
+        resident.append(_resident_bytes())
+    assert max(resident) - resident[0] < 100 * 2**20, [r // 2**20 for r in resident]
