@@ -373,6 +373,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_options(batch)
     _add_seed_option(batch.add_argument_group("sampling (each request's body sets the rest)"))
     _add_output_options(batch)
+
+    # NOTE: main hands `eval` to lm-eval's own parser before this one runs; it is listed
+    # here for --help.
+    commands.add_parser(
+        "eval",
+        help="run lm-evaluation-harness tasks on a model (needs the [eval] extra)",
+        description="paged-llm eval --model PATH --tasks ... [lm-eval's flags]",
+        add_help=False,
+    )
     return parser
 
 
@@ -451,6 +460,9 @@ _SAMPLING_FLAGS = (
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["eval"]:
+        return _eval(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
@@ -474,6 +486,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ImportError, ValueError) as error:
         print(f"paged-llm: error: {error}", file=sys.stderr)
         return 1
+
+
+def _eval(argv: list[str]) -> int:
+    """``paged-llm eval``: lm-eval's command line with our model registered; lm-eval is an
+    optional extra, imported only here."""
+    try:
+        from paged_llm.integrations import lm_eval
+    except ImportError as error:
+        print(f"paged-llm: error: {error}", file=sys.stderr)
+        return 1
+    return lm_eval.main(argv)
 
 
 class OutputWriter:
