@@ -13,8 +13,9 @@ Model args are ``pretrained=`` plus any `LLM` keyword (``dtype``, ``max_model_le
 that have a meaning here (``max_length``, ``max_gen_toks``, ``add_bos_token``,
 ``prefix_token_id``, ``seed``).
 
-Each request list becomes one `LLM.generate` call, so continuous batching sizes the batches
-and prefix caching shares the KV cache of a context among its continuations. Scores come
+Each request list becomes one `LLM.generate` call, so continuous batching sizes the
+batches. Scoring requests do not use the prefix cache (see `PagedLM._loglikelihood_tokens`);
+generate_until requests do, for the few-shot examples their prompts share. Scores come
 from ``prompt_logprobs``: the logprob of each continuation token given everything before it.
 """
 
@@ -179,7 +180,14 @@ class PagedLM(TemplateLM):
         self, requests: list[_TokenRequest], disable_tqdm: bool = False, **kwargs: Any
     ) -> list[tuple[float, bool]]:
         """(sum of the continuation's logprobs, whether greedy decoding would produce it) of
-        each request, from one `LLM.generate` call with ``prompt_logprobs``."""
+        each request, from one `LLM.generate` call with ``prompt_logprobs``.
+
+        NOTE: the prefix cache does not serve these requests: a prompt that owes prompt
+        logprobs needs the logits of every position, which cached blocks do not keep, so the
+        scheduler computes it whole (measured: 0% hits on 4-choice questions sharing a
+        64-token context). Sharing a context would need the engine to score only the
+        continuation's positions.
+        """
         # NOTE: the whole sequence is the prompt, and the engine needs room for one generated
         # token; a longer one keeps its last tokens, as lm-eval's models truncate.
         max_prompt_len = self.max_length - 1
@@ -187,20 +195,17 @@ class PagedLM(TemplateLM):
         for _, context, continuation in requests:
             whole = (context + continuation)[-max_prompt_len:]
             prompts.append({"prompt_token_ids": whole})
-            num_context.append(len(whole) - len(continuation))
-        # Requests sharing a context run next to each other, so prefix caching reuses its
-        # KV cache; results go back in input order.
-        order = sorted(range(len(prompts)), key=lambda i: prompts[i]["prompt_token_ids"])
+            num_context.append(max(len(whole) - len(continuation), 1))
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, detokenize=False)
-        outputs = self.llm.generate(
-            [prompts[i] for i in order], params, use_tqdm=not disable_tqdm and self.rank == 0
-        )
-        results: list[tuple[float, bool]] = [(0.0, False)] * len(prompts)
-        for i, output in zip(order, outputs, strict=True):
-            results[i] = _continuation_score(output, max(num_context[i], 1))
-            cache_key = requests[i][0]
+        outputs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm and self.rank == 0)
+        results = []
+        for (cache_key, _, _), output, context_len in zip(
+            requests, outputs, num_context, strict=True
+        ):
+            result = _continuation_score(output, context_len)
             if cache_key is not None:
-                self.cache_hook.add_partial("loglikelihood", cache_key, results[i])
+                self.cache_hook.add_partial("loglikelihood", cache_key, result)
+            results.append(result)
         return results
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
