@@ -36,25 +36,25 @@ _DEFAULT_COMPLETION_MAX_TOKENS = 16
 _IGNORED_FIELDS = frozenset(
     {"user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"}
 )
-# Body field -> SamplingParams field, for the fields that keep their meaning as they are
-# (vLLM's extra sampling fields included, so that vllm run-batch files run unchanged).
-_SAMPLING_FIELDS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "n": "n",
-    "stop": "stop",
-    "seed": "seed",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "min_tokens": "min_tokens",
-    "ignore_eos": "ignore_eos",
-    "stop_token_ids": "stop_token_ids",
-    "include_stop_str_in_output": "include_stop_str_in_output",
-    "skip_special_tokens": "skip_special_tokens",
-}
+# Body fields that are SamplingParams fields of the same name and meaning (vLLM's extra
+# sampling fields included, so that vllm run-batch files run unchanged).
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+)
 _CHAT_FIELDS = frozenset(
     {"model", "messages", "max_tokens", "max_completion_tokens", "logit_bias", "logprobs"}
     | {"top_logprobs", "response_format", "stream"}
@@ -89,9 +89,11 @@ class BatchRequest:
     @property
     def key(self) -> str:
         """The output line's ``id``, the key ``--resume`` skips finished requests by."""
-        return "batch_req_" + self._digest()
+        return "batch_req_" + self.digest
 
-    def _digest(self) -> str:
+    @property
+    def digest(self) -> str:
+        """A hex name of the request, the same in every run: the root of its ids."""
         # NOTE: a line without a custom_id of its own (malformed, or a duplicate) is named by
         # its line number, so it cannot take the id of the custom_id it repeats.
         name = ["custom_id", self.custom_id] if self.owns_custom_id else ["line", self.line]
@@ -289,9 +291,7 @@ def sampling_params(
     naming the field whose value is out of range."""
     body = request.body
     fields: dict[str, Any] = {
-        ours: body[theirs]
-        for theirs, ours in _SAMPLING_FIELDS.items()
-        if body.get(theirs) is not None
+        name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None
     }
     fields["max_tokens"] = next(
         (
@@ -373,7 +373,7 @@ def success_line(
         )
     completion_tokens = sum(len(completion.token_ids) for completion in output.outputs)
     body = {
-        "id": ("chatcmpl-" if request.is_chat else "cmpl-") + request._digest(),
+        "id": ("chatcmpl-" if request.is_chat else "cmpl-") + request.digest,
         "object": "chat.completion" if request.is_chat else "text_completion",
         "created": created,
         "model": request.body.get("model") or model,
@@ -401,7 +401,7 @@ def _line(
     return {
         "id": request.key,
         "custom_id": request.custom_id,
-        "response": {"status_code": status, "request_id": "req_" + request._digest(), "body": body},
+        "response": {"status_code": status, "request_id": "req_" + request.digest, "body": body},
         "error": error,
     }
 

@@ -14,9 +14,9 @@ that have a meaning here (``max_length``, ``max_gen_toks``, ``add_bos_token``,
 ``prefix_token_id``, ``seed``).
 
 Each request list becomes one `LLM.generate` call, so continuous batching sizes the
-batches. Scoring requests do not use the prefix cache (see `PagedLM._loglikelihood_tokens`);
-generate_until requests do, for the few-shot examples their prompts share. Scores come
-from ``prompt_logprobs``: the logprob of each continuation token given everything before it.
+batches; scoring requests do not use the prefix cache (see `PagedLM._loglikelihood_tokens`).
+Scores come from ``prompt_logprobs``: the logprob of each continuation token given everything
+before it.
 """
 
 from __future__ import annotations
