@@ -255,6 +255,8 @@ def _check_completion_body(body: dict[str, Any]) -> None:
         raise BatchLineError("'best_of' is not supported unless it equals 'n'", "best_of")
     if body.get("echo") and body.get("logprobs") is not None:
         raise BatchLineError("'echo' with 'logprobs' is not supported", "echo")
+    if body.get("echo") and not isinstance(prompt, str):
+        raise BatchLineError("'echo' needs a text prompt, not token ids", "echo")
 
 
 def _single_prompt(body: dict[str, Any]) -> object:

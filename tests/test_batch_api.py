@@ -101,6 +101,7 @@ def test_completion_prompts_are_text_or_token_ids() -> None:
         (completion({"prompt": ["a", "b"]}), "one prompt per line", "prompt"),
         (completion({"suffix": "end"}), "'suffix' (insertion) is not supported", "suffix"),
         (completion({"best_of": 3}), "'best_of' is not supported unless it equals 'n'", "best_of"),
+        (completion({"echo": True, "prompt": [1, 2]}), "'echo' needs a text prompt", "echo"),
     ],
 )
 def test_a_bad_line_gets_its_reason_and_the_field_at_fault(
