@@ -1,6 +1,11 @@
 """The `paged-llm` command line: batch generation from a JSONL file, safe to kill and resume.
 
     paged-llm generate --input prompts.jsonl --output completions.jsonl [--resume]
+    paged-llm run-batch -i requests.jsonl -o results.jsonl [--resume]
+
+``run-batch`` reads and writes OpenAI Batch API files (see `paged_llm.batch_api`); both
+commands share everything below but the row format: the output lock, appending and flushing
+each result, ``--resume`` (its output rows are keyed by their ``id`` too) and crash safety.
 
 Each input line is ``{"id": ..., "prompt": "..."}`` or ``{"id": ..., "messages": [...]}``
 (rendered with the model's chat template). Each finished request is appended to the output
@@ -33,14 +38,17 @@ import re
 import socket
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from paged_llm import batch_api
 from paged_llm.llm import LLM
 from paged_llm.model_files import DEFAULT_MODEL
 from paged_llm.outputs import RequestOutput
+from paged_llm.sampling_params import SamplingParams
 
 # At most this many input errors are listed before the rest are only counted.
 _MAX_LISTED_ERRORS = 20
@@ -322,16 +330,77 @@ def build_parser() -> argparse.ArgumentParser:
             "--resume to finish the job."
         ),
     )
-    files = gen.add_argument_group("files")
-    files.add_argument("--input", "-i", type=Path, required=True, help="input JSONL")
-    files.add_argument("--output", "-o", type=Path, required=True, help="output JSONL")
+    _add_file_options(gen, "input JSONL", "output JSONL")
+    _add_engine_options(gen)
+    sampling = gen.add_argument_group(
+        "sampling (see SamplingParams; unset flags keep the model's generation_config values)"
+    )
+    sampling.add_argument("--n", type=int, help="completions per row")
+    sampling.add_argument("--temperature", type=float, help="0 means greedy")
+    sampling.add_argument("--top-p", type=float)
+    sampling.add_argument("--top-k", type=int)
+    sampling.add_argument("--min-p", type=float)
+    sampling.add_argument("--repetition-penalty", type=float)
+    sampling.add_argument("--presence-penalty", type=float)
+    sampling.add_argument("--frequency-penalty", type=float)
+    sampling.add_argument(
+        "--max-tokens",
+        type=int,
+        help=f"most tokens per completion (default: the model's, else {_DEFAULT_MAX_TOKENS})",
+    )
+    sampling.add_argument("--min-tokens", type=int)
+    sampling.add_argument(
+        "--stop", action="append", metavar="TEXT", help="stop string (repeatable)"
+    )
+    sampling.add_argument(
+        "--ignore-eos", action="store_true", default=None, help="generate past EOS"
+    )
+    _add_seed_option(sampling)
+    _add_output_options(gen)
+
+    batch = commands.add_parser(
+        "run-batch",
+        help="run an OpenAI Batch API file (as vllm run-batch)",
+        description=(
+            "Run every request of an OpenAI Batch API input file ({custom_id, method, url, "
+            "body} lines for /v1/chat/completions or /v1/completions) and write OpenAI's "
+            "batch output lines. Each body sets its own sampling; lines that cannot run get "
+            "a status 400 line. Results are appended as they finish; after a crash, rerun "
+            "with --resume to finish the job."
+        ),
+    )
+    _add_file_options(batch, "batch input JSONL", "batch output JSONL")
+    _add_engine_options(batch)
+    _add_seed_option(batch.add_argument_group("sampling (each request's body sets the rest)"))
+    _add_output_options(batch)
+
+    # NOTE: main hands `eval` to lm-eval's own parser before this one runs; it is listed
+    # here for --help.
+    commands.add_parser(
+        "eval",
+        help="run lm-evaluation-harness tasks on a model (needs the [eval] extra)",
+        description="paged-llm eval --model PATH --tasks ... [lm-eval's flags]",
+        add_help=False,
+    )
+    return parser
+
+
+def _add_file_options(parser: argparse.ArgumentParser, input_help: str, output_help: str) -> None:
+    files = parser.add_argument_group("files")
+    # --input-file / --output-file: vllm run-batch's spelling.
+    files.add_argument("--input", "--input-file", "-i", type=Path, required=True, help=input_help)
+    files.add_argument(
+        "--output", "--output-file", "-o", type=Path, required=True, help=output_help
+    )
     files.add_argument(
         "--resume",
         action="store_true",
-        help="continue an existing output: skip the ids it holds, repair a torn last line",
+        help="continue an existing output: skip what it holds, repair a torn last line",
     )
 
-    engine = gen.add_argument_group("engine (see LLM in docs/usage.md)")
+
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    engine = parser.add_argument_group("engine (see LLM in docs/usage.md)")
     engine.add_argument("--model", "-m", default=DEFAULT_MODEL, help="default: %(default)s")
     engine.add_argument(
         "--max-model-len", type=int, help="longest prompt + completion (default: the model's)"
@@ -358,40 +427,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="run this many engine replicas, each in its own process, and share the rows out",
     )
 
-    sampling = gen.add_argument_group(
-        "sampling (see SamplingParams; unset flags keep the model's generation_config values)"
-    )
-    sampling.add_argument("--n", type=int, help="completions per row")
-    sampling.add_argument("--temperature", type=float, help="0 means greedy")
-    sampling.add_argument("--top-p", type=float)
-    sampling.add_argument("--top-k", type=int)
-    sampling.add_argument("--min-p", type=float)
-    sampling.add_argument("--repetition-penalty", type=float)
-    sampling.add_argument("--presence-penalty", type=float)
-    sampling.add_argument("--frequency-penalty", type=float)
-    sampling.add_argument(
-        "--max-tokens",
-        type=int,
-        help=f"most tokens per completion (default: the model's, else {_DEFAULT_MAX_TOKENS})",
-    )
-    sampling.add_argument("--min-tokens", type=int)
-    sampling.add_argument(
-        "--stop", action="append", metavar="TEXT", help="stop string (repeatable)"
-    )
-    sampling.add_argument(
-        "--ignore-eos", action="store_true", default=None, help="generate past EOS"
-    )
-    sampling.add_argument(
+
+def _add_seed_option(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
         "--seed",
         type=int,
         default=0,
-        help="each row samples with a seed derived from this and its id, so reruns and "
-        "resumed runs reproduce it (default: %(default)s)",
+        help="each row samples with a seed derived from this and its id (unless it sets "
+        "its own), so reruns and resumed runs reproduce it (default: %(default)s)",
     )
 
-    gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    gen.add_argument("--verbose", "-v", action="store_true", help="log engine details")
-    return parser
+
+def _add_output_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--verbose", "-v", action="store_true", help="log engine details")
 
 
 _SAMPLING_FLAGS = (
@@ -411,13 +460,26 @@ _SAMPLING_FLAGS = (
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["eval"]:
+        return _eval(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
-        return _generate(args)
+        if args.input.resolve() == args.output.resolve():
+            raise CliError("--input and --output are the same file.")
+        if not args.input.is_file():
+            raise CliError(f"input file {args.input} does not exist.")
+        if args.command == "run-batch":
+            requests = batch_api.read_requests(args.input)
+            return _run_job(
+                args, [request.key for request in requests], partial(_run_batch, requests)
+            )
+        rows = read_input(args.input)
+        return _run_job(args, [row.id for row in rows], partial(_generate, rows))
     except CliError as error:
         print(f"paged-llm: error: {error}", file=sys.stderr)
         return 2
@@ -426,37 +488,98 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def _generate(args: argparse.Namespace) -> int:
-    if args.input.resolve() == args.output.resolve():
-        raise CliError("--input and --output are the same file.")
-    if not args.input.is_file():
-        raise CliError(f"input file {args.input} does not exist.")
-    rows = read_input(args.input)
+def _eval(argv: list[str]) -> int:
+    """``paged-llm eval``: lm-eval's command line with our model registered; lm-eval is an
+    optional extra, imported only here."""
+    try:
+        from paged_llm.integrations import lm_eval
+    except ImportError as error:
+        print(f"paged-llm: error: {error}", file=sys.stderr)
+        return 1
+    return lm_eval.main(argv)
+
+
+class OutputWriter:
+    """Appends output rows, each flushed and fsynced at once so a crash loses none already
+    written, and counts what it wrote for the summary."""
+
+    def __init__(self, sink: BinaryIO) -> None:
+        self._sink = sink
+        self.num_written = self.num_errors = 0
+        self.prompt_tokens = self.completion_tokens = 0
+
+    def write(
+        self,
+        record: dict[str, Any],
+        *,
+        error: bool,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+    ) -> None:
+        try:
+            line = (json.dumps(record, ensure_ascii=False) + "\n").encode()
+        except UnicodeEncodeError:  # an id with a lone surrogate: escapes keep it exact
+            line = (json.dumps(record) + "\n").encode()
+        self._sink.write(line)
+        self._sink.flush()
+        os.fsync(self._sink.fileno())
+        self.num_written += 1
+        self.num_errors += error
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
+
+
+# Writes the output rows of the pending input rows (those at the given input positions).
+JobBody = Callable[[argparse.Namespace, LLM, list[int], OutputWriter], None]
+
+
+def _run_job(args: argparse.Namespace, keys: list[str | int], body: JobBody) -> int:
+    """Run the input rows whose key is not yet in the output, under the output lock.
+
+    ``keys[i]`` is the ``id`` the output row of input row ``i`` is written under.
+    """
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with output_lock(args.output):
-        return _generate_locked(args, rows)
+        # NOTE: checked under the lock, so that two commands started together cannot both
+        # find the output empty.
+        if not args.resume and args.output.exists() and args.output.stat().st_size > 0:
+            raise CliError(
+                f"{args.output} already exists and is not empty. Pass --resume to continue it "
+                "(rows already there are skipped), or choose another --output."
+            )
+        done = recover_output(args.output) if args.resume else set()
+        pending = [index for index, key in enumerate(keys) if key not in done]
+        stray = len(done - set(keys))
+        if stray:
+            print(f"Note: {stray} id(s) in {args.output} are not in the input.", file=sys.stderr)
+        if not pending:
+            args.output.touch()
+            print(f"Nothing to do: all {len(keys)} rows are already in {args.output}.")
+            return 0
+        started = time.perf_counter()
+        with _llm_from_args(args) as llm, open(args.output, "ab") as sink:
+            writer = OutputWriter(sink)
+            try:
+                body(args, llm, pending, writer)
+            except KeyboardInterrupt:
+                print(
+                    f"\nInterrupted after {writer.num_written} rows; rerun with --resume to "
+                    "finish.",
+                    file=sys.stderr,
+                )
+                return 130
+    seconds = time.perf_counter() - started
+    print(
+        f"Done: {writer.num_written} rows written to {args.output} ({writer.num_errors} "
+        f"errors), {len(keys) - len(pending)} skipped as already done; {writer.prompt_tokens} "
+        f"prompt + {writer.completion_tokens} completion tokens in {seconds:.1f} s "
+        f"({writer.completion_tokens / seconds:.1f} output tok/s)."
+    )
+    return 0
 
 
-def _generate_locked(args: argparse.Namespace, rows: list[InputRow]) -> int:
-    # NOTE: checked under the lock, so that two commands started together cannot both find
-    # the output empty.
-    if not args.resume and args.output.exists() and args.output.stat().st_size > 0:
-        raise CliError(
-            f"{args.output} already exists and is not empty. Pass --resume to continue it "
-            "(rows already there are skipped), or choose another --output."
-        )
-    done = recover_output(args.output) if args.resume else set()
-    pending = [row for row in rows if row.id not in done]
-    num_skipped = len(rows) - len(pending)
-    stray = len(done - {row.id for row in rows})
-    if stray:
-        print(f"Note: {stray} id(s) in {args.output} are not in the input.", file=sys.stderr)
-    if not pending:
-        args.output.touch()
-        print(f"Nothing to do: all {len(rows)} rows are already in {args.output}.")
-        return 0
-
-    llm = LLM(
+def _llm_from_args(args: argparse.Namespace) -> LLM:
+    return LLM(
         args.model,
         seed=args.seed,
         max_model_len=args.max_model_len,
@@ -470,13 +593,38 @@ def _generate_locked(args: argparse.Namespace, rows: list[InputRow]) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size,
     )
-    with llm, open(args.output, "ab") as sink:
-        return _run(llm, args, pending, num_skipped, sink)
 
 
-def _run(
-    llm: LLM, args: argparse.Namespace, rows: list[InputRow], num_skipped: int, sink: BinaryIO
-) -> int:
+def _render(llm: LLM, messages: list[dict[str, Any]]) -> dict[str, Any] | str:
+    """A chat row's prompt, or why its messages cannot be rendered."""
+    try:
+        return llm.render_chat(messages)
+    except Exception as exc:  # a template error names the bad message
+        return f"cannot render messages: {exc}"
+
+
+def _stream(
+    args: argparse.Namespace,
+    llm: LLM,
+    prompts: list[str | dict[str, Any]],
+    params: list[SamplingParams],
+) -> Iterator[tuple[int, RequestOutput, str | None]]:
+    """``(prompt index, output, error)`` as each prompt finishes; ``error`` is the reason a
+    prompt was refused, without LLM's ``Request N:`` prefix (N is not the input line)."""
+    stream = llm.generate_stream(prompts, params, use_tqdm=not args.no_progress, on_error="skip")
+    with contextlib.closing(stream):
+        for index, output in stream:
+            error = None if output.error is None else re.sub(r"^Request \d+: ", "", output.error)
+            yield index, output, error
+
+
+def _generate(
+    rows: list[InputRow],
+    args: argparse.Namespace,
+    llm: LLM,
+    pending: list[int],
+    writer: OutputWriter,
+) -> None:
     base = llm.get_default_sampling_params()
     if llm.generation_config.get("max_new_tokens") is None:
         base.max_tokens = _DEFAULT_MAX_TOKENS
@@ -486,68 +634,35 @@ def _run(
         base,
         **{name: value for name in _SAMPLING_FLAGS if (value := getattr(args, name)) is not None},
     )
-
-    def write(record: dict[str, Any]) -> None:
-        try:
-            line = (json.dumps(record, ensure_ascii=False) + "\n").encode()
-        except UnicodeEncodeError:  # an id with a lone surrogate: escapes keep it exact
-            line = (json.dumps(record) + "\n").encode()
-        sink.write(line)
-        sink.flush()
-        os.fsync(sink.fileno())
-
-    num_written = num_errors = prompt_tokens = completion_tokens = 0
-    started = time.perf_counter()
-    try:
-        runnable: list[InputRow] = []
-        prompts: list[str | dict[str, Any]] = []
-        for row in rows:
-            error = row.error
-            prompt: str | dict[str, Any] | None = (
-                row.prompt if isinstance(row.prompt, str) else None
+    runnable: list[InputRow] = []
+    prompts: list[str | dict[str, Any]] = []
+    for row in (rows[index] for index in pending):
+        prompt: str | dict[str, Any] | None = row.prompt if isinstance(row.prompt, str) else None
+        error = row.error
+        if error is None and not isinstance(row.prompt, str):
+            rendered = _render(llm, row.prompt)
+            if isinstance(rendered, dict):
+                prompt = rendered
+            else:
+                error = f"line {row.line}: {rendered}"
+        if error is not None or prompt is None:
+            writer.write({"id": row.id, "error": error}, error=True)
+            continue
+        prompts.append(prompt)
+        runnable.append(row)
+    params = [replace(base, seed=row_seed(args.seed, row.id)) for row in runnable]
+    for index, output, error in _stream(args, llm, prompts, params):
+        row = runnable[index]
+        if error is not None:
+            writer.write({"id": row.id, "error": f"line {row.line}: {error}"}, error=True)
+        else:
+            record = _output_record(row.id, output)
+            writer.write(
+                record,
+                error=False,
+                prompt_tokens=record["prompt_tokens"],
+                completion_tokens=record["completion_tokens"],
             )
-            if error is None and not isinstance(row.prompt, str):
-                try:
-                    prompt = llm.render_chat(row.prompt)
-                except Exception as exc:  # a template error names the bad message
-                    error = f"line {row.line}: cannot render messages: {exc}"
-            if error is not None or prompt is None:
-                write({"id": row.id, "error": error})
-                num_written += 1
-                num_errors += 1
-                continue
-            prompts.append(prompt)
-            runnable.append(row)
-        params = [replace(base, seed=row_seed(args.seed, row.id)) for row in runnable]
-        stream = llm.generate_stream(
-            prompts, params, use_tqdm=not args.no_progress, on_error="skip"
-        )
-        with contextlib.closing(stream):
-            for index, output in stream:
-                row = runnable[index]
-                if output.error is not None:
-                    reason = re.sub(r"^Request \d+: ", "", output.error)
-                    write({"id": row.id, "error": f"line {row.line}: {reason}"})
-                    num_errors += 1
-                else:
-                    record = _output_record(row.id, output)
-                    prompt_tokens += record["prompt_tokens"]
-                    completion_tokens += record["completion_tokens"]
-                    write(record)
-                num_written += 1
-    except KeyboardInterrupt:
-        print(
-            f"\nInterrupted after {num_written} rows; rerun with --resume to finish.",
-            file=sys.stderr,
-        )
-        return 130
-    seconds = time.perf_counter() - started
-    print(
-        f"Done: {num_written} rows written to {args.output} ({num_errors} errors), "
-        f"{num_skipped} skipped as already done; {prompt_tokens} prompt + {completion_tokens} "
-        f"completion tokens in {seconds:.1f} s ({completion_tokens / seconds:.1f} output tok/s)."
-    )
-    return 0
 
 
 def _output_record(row_id: str | int, output: RequestOutput) -> dict[str, Any]:
@@ -567,3 +682,52 @@ def _output_record(row_id: str | int, output: RequestOutput) -> dict[str, Any]:
         "prompt_tokens": len(output.prompt_token_ids),
         "completion_tokens": sum(c["completion_tokens"] for c in completions),
     }
+
+
+def _run_batch(
+    requests: list[batch_api.BatchRequest],
+    args: argparse.Namespace,
+    llm: LLM,
+    pending: list[int],
+    writer: OutputWriter,
+) -> None:
+    defaults = llm.get_default_sampling_params()
+    model_max_tokens = llm.generation_config.get("max_new_tokens")
+    runnable: list[batch_api.BatchRequest] = []
+    prompts: list[str | dict[str, Any]] = []
+    params: list[SamplingParams] = []
+    for request in (requests[index] for index in pending):
+        try:
+            if request.error is not None:
+                raise request.error
+            request_params = batch_api.sampling_params(request, defaults, model_max_tokens)
+            prompt: str | dict[str, Any]
+            if request.is_chat:
+                rendered = _render(llm, batch_api.chat_messages(request))
+                if isinstance(rendered, str):
+                    raise batch_api.BatchLineError(rendered, "messages")
+                prompt = rendered
+            else:
+                prompt = batch_api.completion_prompt(request)
+        except batch_api.BatchLineError as error:
+            writer.write(batch_api.error_line(request, str(error), error.param), error=True)
+            continue
+        if request_params.seed is None:
+            assert request.custom_id is not None  # a line without one has an error
+            request_params.seed = row_seed(args.seed, request.custom_id)
+        runnable.append(request)
+        prompts.append(prompt)
+        params.append(request_params)
+    for index, output, refusal in _stream(args, llm, prompts, params):
+        request = runnable[index]
+        if refusal is not None:
+            writer.write(batch_api.error_line(request, refusal), error=True)
+            continue
+        line = batch_api.success_line(request, output, args.model, int(time.time()))
+        usage = line["response"]["body"]["usage"]
+        writer.write(
+            line,
+            error=False,
+            prompt_tokens=usage["prompt_tokens"],
+            completion_tokens=usage["completion_tokens"],
+        )
