@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from paged_llm.inputs import PromptType
 from paged_llm.llm import LLM
 from paged_llm.model_files import DEFAULT_MODEL
 from paged_llm.outputs import RequestOutput
@@ -500,12 +501,10 @@ def _run(
     started = time.perf_counter()
     try:
         runnable: list[InputRow] = []
-        prompts: list[str | dict[str, Any]] = []
+        prompts: list[PromptType] = []
         for row in rows:
             error = row.error
-            prompt: str | dict[str, Any] | None = (
-                row.prompt if isinstance(row.prompt, str) else None
-            )
+            prompt: PromptType | None = row.prompt if isinstance(row.prompt, str) else None
             if error is None and not isinstance(row.prompt, str):
                 try:
                     prompt = llm.render_chat(row.prompt)

@@ -243,7 +243,7 @@ def test_max_logprobs_is_validated(tiny_model_dir: Callable[[str], Path]) -> Non
         (None, r"prompts must be a str, .* got NoneType"),
         (5, r"prompts must be a str, .* got int"),
         (b"hello", r"got bytes; decode bytes to a str first"),
-        ([b"hello"], r"Request 0: a prompt must be a str or a dict .* got bytes"),
+        ([b"hello"], r"Request 0: a prompt must be a str, .* got bytes"),
         ([{"prompt_token_ids": [True, False]}], r"Request 0: prompt_token_ids .* type bool"),
         ([{"prompt_token_ids": [1.0, 2.0]}], r"Request 0: prompt_token_ids .* type float"),
     ],
