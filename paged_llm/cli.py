@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from paged_llm.engine_args import add_cli_arguments, cli_settings
 from paged_llm.inputs import PromptType
 from paged_llm.llm import LLM
 from paged_llm.model_files import DEFAULT_MODEL
@@ -48,7 +49,6 @@ _MAX_LISTED_ERRORS = 20
 # Used when neither --max-tokens nor the model's generation_config sets a length: vLLM's
 # SamplingParams default of 16 tokens is too short for a dataset job.
 _DEFAULT_MAX_TOKENS = 256
-_BYTE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
 class CliError(Exception):
@@ -298,17 +298,6 @@ def row_seed(seed: int, row_id: str | int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def parse_bytes(text: str) -> int:
-    """``"4GiB"``, ``"512M"``, ``"1e9"`` -> bytes (binary units)."""
-    match = re.fullmatch(r"\s*([0-9.e+]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
-    if match is None:
-        raise argparse.ArgumentTypeError(f"expected a size like 4GiB or 1073741824, got {text!r}")
-    try:
-        return int(float(match.group(1)) * _BYTE_UNITS[match.group(2)])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a size like 4GiB, got {text!r}") from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="paged-llm", description="Offline batch inference with paged_llm."
@@ -334,30 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     engine = gen.add_argument_group("engine (see LLM in docs/usage.md)")
     engine.add_argument("--model", "-m", default=DEFAULT_MODEL, help="default: %(default)s")
-    engine.add_argument(
-        "--max-model-len", type=int, help="longest prompt + completion (default: the model's)"
-    )
-    engine.add_argument("--max-num-seqs", type=int, help="most sequences per step")
-    engine.add_argument("--max-num-batched-tokens", type=int, help="most tokens per step")
-    engine.add_argument(
-        "--kv-cache-memory", type=parse_bytes, help="KV cache size, e.g. 2GiB (default: auto)"
-    )
-    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    engine.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    engine.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    engine.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    engine.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="split the model over this many devices (processes on CPU)",
-    )
-    engine.add_argument(
-        "--data-parallel-size",
-        type=int,
-        default=1,
-        help="run this many engine replicas, each in its own process, and share the rows out",
-    )
+    add_cli_arguments(engine)
 
     sampling = gen.add_argument_group(
         "sampling (see SamplingParams; unset flags keep the model's generation_config values)"
@@ -457,20 +423,7 @@ def _generate_locked(args: argparse.Namespace, rows: list[InputRow]) -> int:
         print(f"Nothing to do: all {len(rows)} rows are already in {args.output}.")
         return 0
 
-    llm = LLM(
-        args.model,
-        seed=args.seed,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory_bytes=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        dtype=args.dtype,
-        device=args.device,
-        enable_prefix_caching=not args.no_prefix_caching,
-        tensor_parallel_size=args.tensor_parallel_size,
-        data_parallel_size=args.data_parallel_size,
-    )
+    llm = LLM(args.model, seed=args.seed, **cli_settings(args))
     with llm, open(args.output, "ab") as sink:
         return _run(llm, args, pending, num_skipped, sink)
 

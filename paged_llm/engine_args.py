@@ -3,7 +3,7 @@
 Each field carries its default and its documentation. `LLM` takes its keyword arguments
 from these fields (an unknown name is a ValueError that names it), `EngineConfig.create`
 resolves them, a data-parallel replica is built from the same `EngineArgs`, and the CLI's
-engine options are generated from the fields marked ``cli``.
+engine options are generated from the fields that have a `CliFlag`.
 
 The names, defaults and meanings are vLLM's (``vllm.EngineArgs``), so a script written for
 ``vllm.LLM`` runs unchanged. A vLLM argument falls in one of three kinds:
@@ -18,7 +18,10 @@ The names, defaults and meanings are vLLM's (``vllm.EngineArgs``), so a script w
 
 from __future__ import annotations
 
+import argparse
 import difflib
+import re
+import typing
 from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
@@ -31,11 +34,38 @@ _DOC = "doc"
 _KIND = "kind"
 # The values a setting accepts, where not all of its type's are; any other is refused.
 _ACCEPTS = "accepts"
-# A CLI flag is generated for the field (see `add_cli_arguments`).
+# The field's CLI flag, a `CliFlag`, where it has one (see `add_cli_arguments`).
 _CLI = "cli"
 
 
-def _honoured(default: Any, doc: str, *, cli: bool = False, accepts: tuple[Any, ...] = ()) -> Any:
+@dataclass(frozen=True)
+class CliFlag:
+    """How a setting appears on the command line: by default ``--field-name``, its value
+    parsed as the field's type (a bool gets ``--name / --no-name``)."""
+
+    names: tuple[str, ...] = ()
+    parse: Callable[[str], Any] | None = None
+
+
+_FLAG = CliFlag()
+_BYTE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"4GiB"``, ``"512M"``, ``"1e9"`` -> bytes (binary units): the CLI form of
+    ``kv_cache_memory_bytes``."""
+    match = re.fullmatch(r"\s*([0-9.e+]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected a size like 4GiB or 1073741824, got {text!r}")
+    try:
+        return int(float(match.group(1)) * _BYTE_UNITS[match.group(2)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size like 4GiB, got {text!r}") from None
+
+
+def _honoured(
+    default: Any, doc: str, *, cli: CliFlag | None = None, accepts: tuple[Any, ...] = ()
+) -> Any:
     return field(
         default=default, metadata={_DOC: doc, _KIND: "honoured", _CLI: cli, _ACCEPTS: accepts}
     )
@@ -55,7 +85,7 @@ class EngineArgs:
 
     # ----- honoured: the model and its tokenizer -------------------------------------------
     tokenizer: str | Path | None = _honoured(
-        None, "Where to load the tokenizer from, when not from the model."
+        None, "Where to load the tokenizer from, when not from the model.", cli=_FLAG
     )
     tokenizer_mode: str = _honoured(
         "auto",
@@ -77,6 +107,7 @@ class EngineArgs:
         False,
         "Let transformers run the model folder's own Python code to load its config and "
         "tokenizer (the weights always go into paged_llm's own model classes).",
+        cli=_FLAG,
     )
     skip_tokenizer_init: bool = _honoured(
         False,
@@ -92,6 +123,7 @@ class EngineArgs:
         None,
         "The Jinja chat template chat() uses by default instead of the tokenizer's: the "
         "template text, or a path to a file holding it.",
+        cli=_FLAG,
     )
     generation_config: str | Path = _honoured(
         "auto",
@@ -99,6 +131,7 @@ class EngineArgs:
         'generate() and chat() without sampling_params; "vllm": vLLM\'s SamplingParams '
         "defaults instead; a folder: its generation_config.json. EOS tokens come from the "
         "file in every case.",
+        cli=_FLAG,
     )
     override_generation_config: dict[str, Any] | None = _honoured(
         None,
@@ -115,10 +148,10 @@ class EngineArgs:
         "auto",
         '"auto" (float32 on CPU, the checkpoint\'s dtype on GPU), "float32", "bfloat16" or '
         '"float16".',
-        cli=True,
+        cli=_FLAG,
     )
     device: Any = _honoured(
-        "auto", '"auto" (CUDA when available), "cpu", "cuda" or a Platform.', cli=True
+        "auto", '"auto" (CUDA when available), "cpu", "cuda" or a Platform.', cli=_FLAG
     )
     seed: int = _honoured(0, "Seeds the draws of requests without a seed of their own.")
     max_model_len: int | None = _honoured(
@@ -126,40 +159,46 @@ class EngineArgs:
         "Longest sequence (prompt + output) the engine serves; defaults to the model's "
         "max_position_embeddings. Lower it to what you need: the KV cache is sized to hold "
         "at least one sequence this long.",
-        cli=True,
+        cli=_FLAG,
     )
     max_num_seqs: int | None = _honoured(
-        None, "Most sequences in one step (default 64 on CPU, 256 on GPU).", cli=True
+        None, "Most sequences in one step (default 64 on CPU, 256 on GPU).", cli=_FLAG
     )
     max_num_batched_tokens: int | None = _honoured(
         None,
         "Most tokens in one step (default 2048 on CPU, 8192 on GPU; at least max_model_len "
         "when enable_chunked_prefill is False).",
-        cli=True,
+        cli=_FLAG,
     )
     enable_chunked_prefill: bool | None = _honoured(
         None,
         "Prefill a prompt that does not fit in what is left of a step's token budget in "
         "chunks over several steps (None: True). False schedules every prompt whole, and "
         "then max_num_batched_tokens must be at least max_model_len.",
+        cli=_FLAG,
     )
-    block_size: int = _honoured(16, "Tokens per KV-cache block, a power of two.")
+    block_size: int = _honoured(16, "Tokens per KV-cache block, a power of two.", cli=_FLAG)
     enable_prefix_caching: bool = _honoured(
-        True, "Share the KV cache of identical prompt prefixes.", cli=True
+        True,
+        "Share the KV cache of identical prompt prefixes.",
+        cli=CliFlag(names=("--prefix-caching",)),
     )
     kv_cache_memory_bytes: int | None = _honoured(
-        None, "Size of the KV cache; by default a share of free memory.", cli=True
+        None,
+        "Size of the KV cache (on the CLI with units: 2GiB, 512M); by default a share of "
+        "free memory.",
+        cli=CliFlag(names=("--kv-cache-memory", "--kv-cache-memory-bytes"), parse=parse_bytes),
     )
     gpu_memory_utilization: float = _honoured(
-        0.9, "On GPU, the share of device memory the engine may use.", cli=True
+        0.9, "On GPU, the share of device memory the engine may use.", cli=_FLAG
     )
-    enforce_eager: bool = _honoured(False, "On GPU, never capture CUDA graphs.")
-    attention_backend: str = _honoured("auto", '"auto", "torch" or "triton".')
+    enforce_eager: bool = _honoured(False, "On GPU, never capture CUDA graphs.", cli=_FLAG)
+    attention_backend: str = _honoured("auto", '"auto", "torch" or "triton".', cli=_FLAG)
     tensor_parallel_size: int = _honoured(
         1,
         "Split each layer's weights and KV heads over this many devices (worker processes "
         "on this machine; on CPU each rank is one process).",
-        cli=True,
+        cli=_FLAG,
     )
     data_parallel_size: int = _honoured(
         1,
@@ -169,7 +208,7 @@ class EngineArgs:
         "the cores; on CUDA replica r takes devices r * tensor_parallel_size onwards. "
         "Outputs are the same as with one replica, seeded or not. Replicas are spawned "
         'processes: a script needs the usual if __name__ == "__main__": guard.',
-        cli=True,
+        cli=_FLAG,
     )
     distributed_executor_backend: str | None = _honoured(
         None,
@@ -351,6 +390,43 @@ class EngineArgs:
     def to_kwargs(self) -> dict[str, Any]:
         """The settings as `LLM` keyword arguments (a shallow copy)."""
         return {setting.name: getattr(self, setting.name) for setting in fields(self)}
+
+
+def add_cli_arguments(group: argparse._ArgumentGroup) -> None:
+    """One flag per setting that has a `CliFlag`, its help the field's doc. Every flag
+    defaults to None (unset), so `cli_settings` passes only what was given and `LLM` keeps
+    its own defaults."""
+    hints = typing.get_type_hints(EngineArgs)
+    for setting in fields(EngineArgs):
+        flag: CliFlag | None = setting.metadata.get(_CLI)
+        if flag is None:
+            continue
+        names = flag.names or ("--" + setting.name.replace("_", "-"),)
+        doc = setting.metadata[_DOC].replace("%", "%%")
+        value_type = _cli_type(hints[setting.name])
+        if value_type is bool:
+            group.add_argument(
+                *names, dest=setting.name, action=argparse.BooleanOptionalAction, help=doc
+            )
+        else:
+            group.add_argument(*names, dest=setting.name, type=flag.parse or value_type, help=doc)
+
+
+def cli_settings(namespace: argparse.Namespace) -> dict[str, Any]:
+    """The `LLM` keyword arguments of the flags given on the command line."""
+    return {
+        setting.name: value
+        for setting in fields(EngineArgs)
+        if setting.metadata.get(_CLI) is not None
+        and (value := getattr(namespace, setting.name)) is not None
+    }
+
+
+def _cli_type(hint: Any) -> type:
+    """The type a flag's text is parsed as: the first of bool, int, float in the field's
+    type, else str (paths, names, "auto")."""
+    members = typing.get_args(hint) or (hint,)
+    return next((t for t in (bool, int, float) if t in members), str)
 
 
 def settings_of_kind(kind: str) -> list[Field[Any]]:

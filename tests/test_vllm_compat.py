@@ -15,7 +15,8 @@ import torch
 
 import paged_llm.llm as llm_module
 from paged_llm import LLM, SamplingParams
-from paged_llm.engine_args import EngineArgs, settings_of_kind
+from paged_llm.cli import build_parser
+from paged_llm.engine_args import EngineArgs, cli_settings, settings_of_kind
 from paged_llm.exceptions import VLLMValidationError
 from paged_llm.inputs import TextPrompt, TokensPrompt
 
@@ -132,6 +133,23 @@ def test_every_llm_argument_is_documented_in_usage_md() -> None:
     usage = (REPO_ROOT / "docs" / "usage.md").read_text()
     missing = [s.name for s in fields(EngineArgs) if f"`{s.name}`" not in usage]
     assert missing == []
+
+
+def test_the_clis_engine_flags_are_generated_from_engine_args() -> None:
+    parser = build_parser()
+    flags = "--kv-cache-memory 2GiB --no-prefix-caching --trust-remote-code --max-model-len 64"
+    flags += " --no-enable-chunked-prefill --gpu-memory-utilization 0.5"
+    args = parser.parse_args(["generate", "-i", "in.jsonl", "-o", "out.jsonl", *flags.split()])
+    assert cli_settings(args) == {
+        "kv_cache_memory_bytes": 2 * 2**30,
+        "enable_prefix_caching": False,
+        "trust_remote_code": True,
+        "max_model_len": 64,
+        "enable_chunked_prefill": False,
+        "gpu_memory_utilization": 0.5,
+    }
+    # Unset flags pass nothing, so LLM keeps its own defaults.
+    assert cli_settings(parser.parse_args(["generate", "-i", "a", "-o", "b"])) == {}
 
 
 def test_trust_remote_code_and_tokenizer_mode_reach_transformers(
