@@ -117,7 +117,8 @@ class EngineArgs:
     hf_overrides: dict[str, Any] | Callable[[Any], Any] | None = _honoured(
         None,
         "Changes to the model's Hugging Face config before the engine reads it: a dict of "
-        "attributes to set, or a function that takes the config and returns the new one.",
+        "attributes to set, or a function that takes the config and returns the new one "
+        "(defined at module level when data_parallel_size > 1: replicas get it pickled).",
     )
     chat_template: str | Path | None = _honoured(
         None,

@@ -663,29 +663,35 @@ class LLM:
 
     def _validate_request(self, index: int, token_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
-            raise ValueError(
+            raise VLLMValidationError(
                 f"Request {index}: sampling_params must be a SamplingParams, got "
-                f"{type(params).__name__}."
+                f"{type(params).__name__}.",
+                parameter="sampling_params",
             )
         max_model_len = self.config.max_model_len
         if not token_ids:
-            raise ValueError(
+            raise VLLMValidationError(
                 f"Request {index}: the prompt is empty (0 tokens); every request needs at "
-                "least one prompt token."
+                "least one prompt token.",
+                parameter="prompt",
             )
         if len(token_ids) + 1 > max_model_len:
-            raise ValueError(
+            raise VLLMValidationError(
                 f"Request {index}: the prompt has {len(token_ids)} tokens, but "
                 f"max_model_len={max_model_len} leaves room for at most {max_model_len - 1} "
                 "prompt tokens plus 1 generated token. Shorten the prompt, or raise "
                 "max_model_len (up to the model's max_position_embeddings="
-                f"{self.config.hf_config.max_position_embeddings})."
+                f"{self.config.hf_config.max_position_embeddings}).",
+                parameter="prompt",
+                value=len(token_ids),
             )
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(
+            raise VLLMValidationError(
                 f"Request {index}: prompt token id {bad} is outside the vocabulary "
-                f"[0, {self.vocab_size})."
+                f"[0, {self.vocab_size}).",
+                parameter="prompt_token_ids",
+                value=bad,
             )
         try:
             params.verify()
@@ -700,15 +706,19 @@ class LLM:
                 parameter="stop" if params.stop else "bad_words",
             )
         if params.n > self.config.max_num_seqs:
-            raise ValueError(
+            raise VLLMValidationError(
                 f"Request {index}: n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}; "
-                "the n sequences of a request run together. Lower n or raise max_num_seqs."
+                "the n sequences of a request run together. Lower n or raise max_num_seqs.",
+                parameter="n",
+                value=params.n,
             )
         bad = next((t for t in params.token_ids_in_use() if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(
+            raise VLLMValidationError(
                 f"Request {index}: SamplingParams names token id {bad}, outside the vocabulary "
-                f"[0, {self.vocab_size})."
+                f"[0, {self.vocab_size}).",
+                parameter="token_ids",
+                value=bad,
             )
         self._check_logprobs(index, params)
 

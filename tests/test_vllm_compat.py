@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+import paged_llm
 import paged_llm.llm as llm_module
 from paged_llm import LLM, SamplingParams
 from paged_llm.cli import build_parser
@@ -133,6 +134,14 @@ def test_every_llm_argument_is_documented_in_usage_md() -> None:
     usage = (REPO_ROOT / "docs" / "usage.md").read_text()
     missing = [s.name for s in fields(EngineArgs) if f"`{s.name}`" not in usage]
     assert missing == []
+    # The no-op and refused tables say why with the fields' own docs.
+    stale = [
+        s.name
+        for kind in ("no-op", "refused")
+        for s in settings_of_kind(kind)
+        if f"| `{s.name}` | `{s.default!r}` | {s.metadata['doc']} |" not in usage
+    ]
+    assert stale == []
 
 
 def test_the_clis_engine_flags_are_generated_from_engine_args() -> None:
@@ -348,6 +357,8 @@ def test_openai_style_content_parts_render_as_the_template_expects(llm: LLM) -> 
 
 
 def test_text_and_tokens_prompts_are_dicts_generate_takes(llm: LLM) -> None:
+    # lm-eval imports them from the top of the package, vLLM's examples from .inputs.
+    assert (paged_llm.TokensPrompt, paged_llm.TextPrompt) == (TokensPrompt, TextPrompt)
     text = "The capital of France"
     expected = _greedy_ids(llm, text)
     assert _greedy_ids(llm, {"prompt": text}) == expected
@@ -434,7 +445,15 @@ def test_validation_errors_are_value_errors_with_vllms_exception_name(llm: LLM) 
     assert isinstance(request.value, ValueError)
     assert request.value.parameter == "logprobs"
     assert str(request.value).startswith("Request 0: Requested sample logprobs of 50")
-    try:
-        llm.generate("Hi", SamplingParams(max_tokens=0), use_tqdm=False)
-    except ValueError as error:  # what most scripts catch
-        assert isinstance(error, VLLMValidationError) and error.parameter == "max_tokens"
+    # What most scripts catch: every request check raises the same type.
+    changed_after_construction = SamplingParams()
+    changed_after_construction.max_tokens = 0
+    for prompt, params, parameter in (
+        ("Hi", changed_after_construction, "max_tokens"),
+        ({"prompt_token_ids": [1] * MAX_MODEL_LEN}, GREEDY, "prompt"),
+        ({"prompt_token_ids": [10**6]}, GREEDY, "prompt_token_ids"),
+    ):
+        with pytest.raises(ValueError) as caught:
+            llm.generate(prompt, params, use_tqdm=False)
+        assert isinstance(caught.value, VLLMValidationError)
+        assert caught.value.parameter == parameter
