@@ -207,7 +207,8 @@ class EngineArgs:
         "them (each replica may be tensor parallel too). This process then tokenizes, "
         "validates and orders, and loads no weights. On CPU each replica takes its share of "
         "the cores; on CUDA replica r takes devices r * tensor_parallel_size onwards. "
-        "Outputs are the same as with one replica, seeded or not. Replicas are spawned "
+        "Outputs are the same as with one replica, seeded or not. A replica that dies has "
+        "its unfinished requests run again on the others. Replicas are spawned "
         'processes: a script needs the usual if __name__ == "__main__": guard.',
         cli=_FLAG,
     )
