@@ -1,15 +1,21 @@
 """paged_llm: offline batch inference with a paged KV cache, prefix caching and continuous
 batching, behind vLLM's offline API."""
 
+from paged_llm.engine_args import EngineArgs
+from paged_llm.inputs import TextPrompt, TokensPrompt
 from paged_llm.llm import LLM
 from paged_llm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from paged_llm.sampling_params import SamplingParams
 
+# As ``from vllm import LLM, SamplingParams, TokensPrompt`` (lm-eval's vLLM wrapper's import).
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EngineArgs",
     "Logprob",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "TextPrompt",
+    "TokensPrompt",
 ]

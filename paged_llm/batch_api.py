@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from paged_llm.inputs import TokensPrompt
 from paged_llm.outputs import Logprob, RequestOutput
 from paged_llm.sampling_params import SamplingParams
 
@@ -273,14 +274,14 @@ def _all_token_ids(values: list[Any]) -> bool:
     )
 
 
-def completion_prompt(request: BatchRequest) -> str | dict[str, Any]:
+def completion_prompt(request: BatchRequest) -> str | TokensPrompt:
     """A text completion's prompt: its text, or its token ids as a ``{"prompt_token_ids"}``
     prompt."""
     prompt = _single_prompt(request.body)
     if isinstance(prompt, str):
         return prompt
     assert isinstance(prompt, list)  # checked by parse_line
-    return {"prompt_token_ids": [int(t) for t in prompt]}
+    return TokensPrompt(prompt_token_ids=[int(t) for t in prompt])
 
 
 def sampling_params(

@@ -45,6 +45,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from paged_llm import batch_api
+from paged_llm.engine_args import add_cli_arguments, cli_settings
+from paged_llm.inputs import PromptType, TokensPrompt
 from paged_llm.llm import LLM
 from paged_llm.model_files import DEFAULT_MODEL
 from paged_llm.outputs import RequestOutput
@@ -55,7 +57,6 @@ _MAX_LISTED_ERRORS = 20
 # Used when neither --max-tokens nor the model's generation_config sets a length: vLLM's
 # SamplingParams default of 16 tokens is too short for a dataset job.
 _DEFAULT_MAX_TOKENS = 256
-_BYTE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
 class CliError(Exception):
@@ -305,17 +306,6 @@ def row_seed(seed: int, row_id: str | int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def parse_bytes(text: str) -> int:
-    """``"4GiB"``, ``"512M"``, ``"1e9"`` -> bytes (binary units)."""
-    match = re.fullmatch(r"\s*([0-9.e+]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
-    if match is None:
-        raise argparse.ArgumentTypeError(f"expected a size like 4GiB or 1073741824, got {text!r}")
-    try:
-        return int(float(match.group(1)) * _BYTE_UNITS[match.group(2)])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a size like 4GiB, got {text!r}") from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="paged-llm", description="Offline batch inference with paged_llm."
@@ -402,30 +392,7 @@ def _add_file_options(parser: argparse.ArgumentParser, input_help: str, output_h
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine (see LLM in docs/usage.md)")
     engine.add_argument("--model", "-m", default=DEFAULT_MODEL, help="default: %(default)s")
-    engine.add_argument(
-        "--max-model-len", type=int, help="longest prompt + completion (default: the model's)"
-    )
-    engine.add_argument("--max-num-seqs", type=int, help="most sequences per step")
-    engine.add_argument("--max-num-batched-tokens", type=int, help="most tokens per step")
-    engine.add_argument(
-        "--kv-cache-memory", type=parse_bytes, help="KV cache size, e.g. 2GiB (default: auto)"
-    )
-    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    engine.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    engine.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    engine.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    engine.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="split the model over this many devices (processes on CPU)",
-    )
-    engine.add_argument(
-        "--data-parallel-size",
-        type=int,
-        default=1,
-        help="run this many engine replicas, each in its own process, and share the rows out",
-    )
+    add_cli_arguments(engine)
 
 
 def _add_seed_option(group: argparse._ArgumentGroup) -> None:
@@ -579,23 +546,10 @@ def _run_job(args: argparse.Namespace, keys: list[str | int], body: JobBody) -> 
 
 
 def _llm_from_args(args: argparse.Namespace) -> LLM:
-    return LLM(
-        args.model,
-        seed=args.seed,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory_bytes=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        dtype=args.dtype,
-        device=args.device,
-        enable_prefix_caching=not args.no_prefix_caching,
-        tensor_parallel_size=args.tensor_parallel_size,
-        data_parallel_size=args.data_parallel_size,
-    )
+    return LLM(args.model, seed=args.seed, **cli_settings(args))
 
 
-def _render(llm: LLM, messages: list[dict[str, Any]]) -> dict[str, Any] | str:
+def _render(llm: LLM, messages: list[dict[str, Any]]) -> TokensPrompt | str:
     """A chat row's prompt, or why its messages cannot be rendered."""
     try:
         return llm.render_chat(messages)
@@ -606,7 +560,7 @@ def _render(llm: LLM, messages: list[dict[str, Any]]) -> dict[str, Any] | str:
 def _stream(
     args: argparse.Namespace,
     llm: LLM,
-    prompts: list[str | dict[str, Any]],
+    prompts: list[PromptType],
     params: list[SamplingParams],
 ) -> Iterator[tuple[int, RequestOutput, str | None]]:
     """``(prompt index, output, error)`` as each prompt finishes; ``error`` is the reason a
@@ -635,9 +589,9 @@ def _generate(
         **{name: value for name in _SAMPLING_FLAGS if (value := getattr(args, name)) is not None},
     )
     runnable: list[InputRow] = []
-    prompts: list[str | dict[str, Any]] = []
+    prompts: list[PromptType] = []
     for row in (rows[index] for index in pending):
-        prompt: str | dict[str, Any] | None = row.prompt if isinstance(row.prompt, str) else None
+        prompt: PromptType | None = row.prompt if isinstance(row.prompt, str) else None
         error = row.error
         if error is None and not isinstance(row.prompt, str):
             rendered = _render(llm, row.prompt)
@@ -694,14 +648,14 @@ def _run_batch(
     defaults = llm.get_default_sampling_params()
     model_max_tokens = llm.generation_config.get("max_new_tokens")
     runnable: list[batch_api.BatchRequest] = []
-    prompts: list[str | dict[str, Any]] = []
+    prompts: list[PromptType] = []
     params: list[SamplingParams] = []
     for request in (requests[index] for index in pending):
         try:
             if request.error is not None:
                 raise request.error
             request_params = batch_api.sampling_params(request, defaults, model_max_tokens)
-            prompt: str | dict[str, Any]
+            prompt: PromptType
             if request.is_chat:
                 rendered = _render(llm, batch_api.chat_messages(request))
                 if isinstance(rendered, str):

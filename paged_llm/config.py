@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from paged_llm.engine_args import EngineArgs
 from paged_llm.layers.attention import ATTENTION_BACKENDS
 from paged_llm.platforms import Platform, get_platform
 
@@ -41,10 +42,40 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, platform: Platform) 
 
 
 @dataclass
+class ModelConfig:
+    """The model as ``llm.llm_engine.model_config`` reports it, with the field names of
+    vLLM's ``ModelConfig`` that harnesses read (lm-eval reads ``max_model_len``)."""
+
+    model: str
+    tokenizer: str
+    tokenizer_mode: str
+    trust_remote_code: bool
+    dtype: torch.dtype
+    seed: int
+    revision: str | None
+    tokenizer_revision: str | None
+    max_model_len: int
+    max_logprobs: int
+    hf_config: Any
+    served_model_name: str
+    generation_config: str
+    skip_tokenizer_init: bool
+
+    @property
+    def hf_text_config(self) -> Any:
+        """Text-only models: the config itself."""
+        return self.hf_config
+
+    def get_vocab_size(self) -> int:
+        vocab_size: int = self.hf_config.vocab_size
+        return vocab_size
+
+
+@dataclass
 class EngineConfig:
     """Everything the engine needs, with defaults resolved.
 
-    Built by `LLM`; see its docstring for the meaning of each field.
+    Built by `LLM` from its `EngineArgs`; see those for the meaning of each field.
     """
 
     model_dir: Path
@@ -61,39 +92,30 @@ class EngineConfig:
     gpu_memory_utilization: float
     enforce_eager: bool
     attention_backend: str
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    max_logprobs: int = 20
-    batch_invariant: bool = False
+    tensor_parallel_size: int
+    data_parallel_size: int
+    max_logprobs: int
+    # False: every prompt is scheduled whole (LLM's enable_chunked_prefill=False).
+    chunked_prefill: bool
+    batch_invariant: bool
 
     @property
     def device(self) -> torch.device:
         return self.platform.device
 
     @classmethod
-    def create(
-        cls,
-        *,
-        model_dir: Path,
-        hf_config: Any,
-        dtype: str | torch.dtype,
-        device: str | torch.device | Platform,
-        seed: int,
-        max_model_len: int | None,
-        max_num_seqs: int | None,
-        max_num_batched_tokens: int | None,
-        block_size: int,
-        enable_prefix_caching: bool,
-        kv_cache_memory_bytes: int | None,
-        gpu_memory_utilization: float,
-        enforce_eager: bool,
-        attention_backend: str,
-        tensor_parallel_size: int = 1,
-        data_parallel_size: int = 1,
-        max_logprobs: int = 20,
-        batch_invariant: bool = False,
-    ) -> EngineConfig:
-        platform = get_platform(device)
+    def create(cls, model_dir: Path, hf_config: Any, args: EngineArgs) -> EngineConfig:
+        """Resolve the defaults of ``args`` against the model and the platform, and validate
+        them; a ValueError names the setting, its value and what is allowed."""
+        platform = get_platform(args.device)
+        max_model_len = args.max_model_len
+        max_num_seqs = args.max_num_seqs
+        max_num_batched_tokens = args.max_num_batched_tokens
+        seed, block_size, max_logprobs = args.seed, args.block_size, args.max_logprobs
+        kv_cache_memory_bytes = args.kv_cache_memory_bytes
+        gpu_memory_utilization = args.gpu_memory_utilization
+        attention_backend = args.attention_backend
+        chunked_prefill = args.enable_chunked_prefill is not False
         model_max_len = getattr(hf_config, "max_position_embeddings", None)
         if max_model_len is None:
             if model_max_len is None:
@@ -116,6 +138,8 @@ class EngineConfig:
             max_num_seqs = platform.default_max_num_seqs
         if max_num_batched_tokens is None:
             max_num_batched_tokens = platform.default_max_num_batched_tokens
+            if not chunked_prefill:
+                max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
         _check(isinstance(seed, int), "seed", seed, "an int")
         _check(
             isinstance(max_num_seqs, int) and max_num_seqs >= 1,
@@ -162,7 +186,16 @@ class EngineConfig:
             max_logprobs,
             "an integer >= 0, or -1 for the whole vocabulary",
         )
-        _check_parallel_sizes(hf_config, platform, tensor_parallel_size, data_parallel_size)
+        if not chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"LLM argument max_num_batched_tokens={max_num_batched_tokens} is smaller than "
+                f"max_model_len={max_model_len}, and enable_chunked_prefill=False schedules "
+                "each prompt whole, so longer prompts could never run. Raise "
+                "max_num_batched_tokens, lower max_model_len, or enable chunked prefill."
+            )
+        _check_parallel_sizes(
+            hf_config, platform, args.tensor_parallel_size, args.data_parallel_size
+        )
         if attention_backend == "auto":
             attention_backend = platform.default_attention_backend
         if attention_backend == "triton" and not platform.runs_triton():
@@ -171,28 +204,35 @@ class EngineConfig:
                 "TRITON_INTERPRET=1 before importing paged_llm (slow; meant for tests), or use "
                 "attention_backend='torch' (the CPU default)."
             )
-        _check(isinstance(batch_invariant, bool), "batch_invariant", batch_invariant, "a bool")
-        if batch_invariant:
-            _check_batch_invariance(attention_backend, tensor_parallel_size)
+        _check(
+            isinstance(args.batch_invariant, bool),
+            "batch_invariant",
+            args.batch_invariant,
+            "a bool",
+        )
+        if args.batch_invariant:
+            _check_batch_invariance(attention_backend, args.tensor_parallel_size)
+        resolved = {
+            "model_dir": model_dir,
+            "hf_config": hf_config,
+            "dtype": resolve_dtype(args.dtype, hf_config, platform),
+            "platform": platform,
+            "max_model_len": max_model_len,
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "enable_prefix_caching": bool(args.enable_prefix_caching),
+            "enforce_eager": bool(args.enforce_eager),
+            "attention_backend": attention_backend,
+            "chunked_prefill": chunked_prefill,
+        }
+        # The other fields are settings taken as given, under the same names.
         return cls(
-            model_dir=model_dir,
-            hf_config=hf_config,
-            dtype=resolve_dtype(dtype, hf_config, platform),
-            platform=platform,
-            seed=seed,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            block_size=block_size,
-            enable_prefix_caching=bool(enable_prefix_caching),
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=bool(enforce_eager),
-            attention_backend=attention_backend,
-            tensor_parallel_size=tensor_parallel_size,
-            data_parallel_size=data_parallel_size,
-            max_logprobs=max_logprobs,
-            batch_invariant=batch_invariant,
+            **resolved,
+            **{
+                setting.name: getattr(args, setting.name)
+                for setting in fields(cls)
+                if setting.name not in resolved
+            },
         )
 
 

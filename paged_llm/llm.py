@@ -17,20 +17,20 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from paged_llm.config import EngineConfig
+from paged_llm.config import EngineConfig, ModelConfig
 from paged_llm.distributed.data_parallel import DataParallelEngine, ReplicasLostError
 from paged_llm.engine.llm_engine import EngineMetrics, LLMEngine
+from paged_llm.engine_args import EngineArgs
+from paged_llm.exceptions import VLLMValidationError
+from paged_llm.inputs import PromptType, TokensPrompt
 from paged_llm.model_files import resolve_model
 from paged_llm.outputs import RequestOutput
 from paged_llm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-PromptType = str | dict[str, Any]
 
 
 @dataclass
@@ -44,6 +44,22 @@ class PreparedRequest:
     params: SamplingParams
     bad_words_token_ids: list[list[int]] | None = None
     error: str | None = None
+
+
+@dataclass
+class LLMEngineInfo:
+    """``llm.llm_engine`` for scripts written for vLLM: its ``model_config`` and
+    ``get_tokenizer()``. The engine that runs requests is `LLM.engine`."""
+
+    model_config: ModelConfig
+    tokenizer: PreTrainedTokenizerBase | None
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        if self.tokenizer is None:
+            raise ValueError(
+                "This LLM has no tokenizer: it was built with skip_tokenizer_init=True."
+            )
+        return self.tokenizer
 
 
 class _GenerationLock:
@@ -88,6 +104,7 @@ class GenerationStream:
         use_tqdm: bool | Callable[..., tqdm],
         skip_errors: bool = False,
         lock: _GenerationLock | None = None,
+        log_stats: bool = True,
     ) -> None:
         self.num_requests = len(requests)
         self._engine = engine
@@ -95,6 +112,7 @@ class GenerationStream:
         self._use_tqdm = use_tqdm
         self._skip_errors = skip_errors
         self._lock = lock or _GenerationLock()
+        self._log_stats = log_stats
         self._closed = False
         # NOTE: only a weak reference: the generator must not be kept alive by the stream
         # (nor the stream by the generator), so that leaving a loop early frees it at once
@@ -107,7 +125,12 @@ class GenerationStream:
         if self._iterator is not None:
             return self._iterator() or iter(())
         iterator = _run_stream(
-            self._engine, self._requests, self._use_tqdm, self._skip_errors, self._lock
+            self._engine,
+            self._requests,
+            self._use_tqdm,
+            self._skip_errors,
+            self._lock,
+            self._log_stats,
         )
         self._iterator = weakref.ref(iterator)
         return iterator
@@ -127,6 +150,7 @@ def _run_stream(
     use_tqdm: bool | Callable[..., tqdm],
     skip_errors: bool,
     lock: _GenerationLock,
+    log_stats: bool,
 ) -> Generator[tuple[int, RequestOutput], None, None]:
     lock.acquire()
     # NOTE: from here to the release, the engine's requests are this stream's only, so the
@@ -179,7 +203,8 @@ def _run_stream(
             if engine.has_unfinished():
                 engine.abort_all()
             progress.close()
-            _log_summary(metrics_before, engine.get_metrics(), time.perf_counter() - started)
+            if log_stats:
+                _log_summary(metrics_before, engine.get_metrics(), time.perf_counter() - started)
     finally:
         lock.release()
 
@@ -226,117 +251,66 @@ class LLM:
     Args:
         model: A local Hugging Face model directory (config.json, safetensors weights,
             tokenizer files), a ``.gguf`` file, or a hub id found in the local cache.
-        tokenizer: Where to load the tokenizer from, when not from ``model``.
-        dtype: "auto" (float32 on CPU, the checkpoint's dtype on GPU), "float32",
-            "bfloat16" or "float16".
-        device: "auto" (CUDA when available), "cpu" or "cuda".
-        seed: Seeds the draws of requests without a seed of their own.
-        max_model_len: Longest sequence (prompt + output) the engine serves; defaults to
-            the model's ``max_position_embeddings``. Lower it to what you need: the KV
-            cache is sized to hold at least one sequence this long.
-        max_num_seqs: Most sequences in one step (default 64 on CPU, 256 on GPU).
-        max_num_batched_tokens: Most tokens in one step; longer prompts are prefilled in
-            chunks (default 2048 on CPU, 8192 on GPU).
-        block_size: Tokens per KV-cache block.
-        enable_prefix_caching: Share the KV cache of identical prompt prefixes.
-        kv_cache_memory_bytes: Size of the KV cache; by default a share of free memory.
-        gpu_memory_utilization: On GPU, the share of device memory the engine may use.
-        enforce_eager: On GPU, never capture CUDA graphs.
-        attention_backend: "auto", "torch" or "triton".
-        tensor_parallel_size: Split each layer's weights and KV heads over this many
-            devices (worker processes on this machine; on CPU each rank is one process).
-        data_parallel_size: Run this many engine replicas in their own processes and
-            spread the requests over them (each replica may be tensor parallel too). This
-            process then tokenizes, validates and orders, and loads no weights. On CPU each
-            replica takes its share of the cores; on CUDA replica r takes devices
-            ``r * tensor_parallel_size`` onwards of the visible ones (pass device "auto" or
-            "cuda"). Outputs are the same as with one replica, seeded or not. A replica that
-            dies has its unfinished requests run again on the others. Replicas are spawned
-            processes: a script needs the usual ``if __name__ == "__main__":`` guard.
-        max_logprobs: Most ``logprobs`` / ``prompt_logprobs`` a request may ask for (20,
-            as vLLM); -1 allows up to the whole vocabulary. A request asking for more is
-            refused with a ValueError.
-        batch_invariant: Compute every token's logits independently of the batch: of the
-            other requests in a step, of how its prompt was chunked and of which prefix
-            came from the prefix cache. Seeded (and greedy) outputs are then bit-identical
-            in every run; it costs speed (see docs/usage.md, reproducibility).
+        **kwargs: The settings, by the names of vLLM's ``LLM`` and ``EngineArgs``: every
+            field of `EngineArgs`, where each is documented (``dtype``, ``max_model_len``,
+            ``tensor_parallel_size``, ...). vLLM arguments with no effect here are
+            accepted; those asking for a missing feature, and unknown names, raise
+            ValueError naming the argument.
 
-    One LLM runs one generation at a time: a call from a second thread while another
-    generates raises RuntimeError (give each thread its own LLM).
+    ``llm.llm_engine.model_config`` and ``llm.get_tokenizer()`` answer what scripts
+    written for vLLM ask of its LLM. One LLM runs one generation at a time: a call from a
+    second thread while another generates raises RuntimeError (give each thread its own
+    LLM).
     """
 
-    def __init__(
-        self,
-        model: str | Path,
-        *,
-        tokenizer: str | Path | None = None,
-        dtype: str | torch.dtype = "auto",
-        device: str | torch.device = "auto",
-        seed: int = 0,
-        max_model_len: int | None = None,
-        max_num_seqs: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        kv_cache_memory_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        enforce_eager: bool = False,
-        attention_backend: str = "auto",
-        tensor_parallel_size: int = 1,
-        data_parallel_size: int = 1,
-        max_logprobs: int = 20,
-        batch_invariant: bool = False,
-    ) -> None:
-        # Every argument but the model, as given: a data-parallel replica builds its engine
-        # from the same settings.
-        settings = {
-            name: value for name, value in locals().items() if name not in ("self", "model")
+    def __init__(self, model: str | Path, **kwargs: Any) -> None:
+        self.args = args = EngineArgs.from_kwargs(kwargs)
+        model_dir = resolve_model(model, revision=args.revision).path
+        hf_config = _hf_config(model_dir, args)
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+        if not args.skip_tokenizer_init:
+            self.tokenizer = AutoTokenizer.from_pretrained(
+                args.tokenizer or model_dir,
+                trust_remote_code=args.trust_remote_code,
+                revision=args.tokenizer_revision,
+                use_fast=args.tokenizer_mode != "slow",
+            )
+        self.chat_template = _read_chat_template(args.chat_template)
+        self.config = EngineConfig.create(model_dir, hf_config, args)
+        generation_file = _read_generation_config(
+            model_dir if args.generation_config in ("auto", "vllm") else args.generation_config
+        )
+        # As vLLM: "vllm" drops the file's sampling defaults, not its EOS tokens.
+        self.generation_config: dict[str, Any] = {
+            **({} if args.generation_config == "vllm" else generation_file),
+            **(args.override_generation_config or {}),
         }
-        model_dir = resolve_model(model).path
-        hf_config = AutoConfig.from_pretrained(model_dir)
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
-            tokenizer or model_dir
-        )
-        self.config = EngineConfig.create(
-            model_dir=model_dir,
-            hf_config=hf_config,
-            dtype=dtype,
-            device=device,
-            seed=seed,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager,
-            attention_backend=attention_backend,
-            tensor_parallel_size=tensor_parallel_size,
-            data_parallel_size=data_parallel_size,
-            max_logprobs=max_logprobs,
-            batch_invariant=batch_invariant,
-        )
-        self.generation_config = _read_generation_config(model_dir)
-        self.eos_token_ids = _eos_token_ids(self.generation_config, self.tokenizer)
+        self.eos_token_ids = _eos_token_ids(generation_file, hf_config, self.tokenizer)
         self.vocab_size: int = hf_config.vocab_size
+        self.llm_engine = LLMEngineInfo(
+            _model_config(model, model_dir, args, self.config), self.tokenizer
+        )
         self.engine: LLMEngine | DataParallelEngine | None
-        if data_parallel_size > 1:
+        if args.data_parallel_size > 1:
+            # NOTE: a replica loads the resolved directory, which has no revisions.
+            replica_args = replace(args, data_parallel_size=1, revision=None)
             self.engine = DataParallelEngine(
-                functools.partial(
-                    _replica_engine, model_dir, {**settings, "data_parallel_size": 1}
-                ),
-                num_replicas=data_parallel_size,
+                functools.partial(_replica_engine, model_dir, replica_args),
+                num_replicas=args.data_parallel_size,
                 seed=self.config.seed,
                 block_size=self.config.block_size,
                 max_model_len=self.config.max_model_len,
-                tensor_parallel_size=tensor_parallel_size,
+                tensor_parallel_size=args.tensor_parallel_size,
                 devices=self.config.platform.replica_devices(),
             )
         else:
             self.engine = LLMEngine(self.config, self.tokenizer, self.eos_token_ids)
         self._request_counter = itertools.count()
         self._generation_lock = _GenerationLock()
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer prompts are encoded with (vLLM's ``LLM.get_tokenizer``)."""
+        return self.llm_engine.get_tokenizer()
 
     # ----- lifecycle --------------------------------------------------------------------
 
@@ -366,11 +340,16 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
         on_error: str = "raise",
+        *,
+        lora_request: None = None,
+        priority: list[int] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt; results come back in input order.
 
         Args:
-            prompts: A string, a ``{"prompt_token_ids": [...]}`` dict, or a list of them.
+            prompts: A string, a `TextPrompt` (``{"prompt": "..."}``), a `TokensPrompt`
+                (``{"prompt_token_ids": [...]}``), or a list of them.
             sampling_params: One for all prompts, or a list with one per prompt; None
                 uses `get_default_sampling_params`.
             use_tqdm: Show a "Processed prompts" progress bar; a callable replaces
@@ -381,8 +360,21 @@ class LLM:
                 With data parallelism, requests that no live replica is left to run raise
                 a RuntimeError naming the replicas lost and why, or under "skip" come back
                 with ``error`` set.
+            lora_request: vLLM's LoRA adapter; only None (no LoRA here).
+            priority: vLLM's per-request priorities; requests run first come, first
+                served here, so every priority must be 0.
+            tokenization_kwargs: Keyword arguments for the tokenizer call on text prompts
+                (e.g. ``{"add_special_tokens": False}``, or truncation settings).
         """
-        stream = self.generate_stream(prompts, sampling_params, use_tqdm, on_error)
+        stream = self.generate_stream(
+            prompts,
+            sampling_params,
+            use_tqdm,
+            on_error,
+            lora_request=lora_request,
+            priority=priority,
+            tokenization_kwargs=tokenization_kwargs,
+        )
         results: list[RequestOutput | None] = [None] * stream.num_requests
         try:
             for index, output in stream:
@@ -398,6 +390,10 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = False,
         on_error: str = "raise",
+        *,
+        lora_request: None = None,
+        priority: list[int] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> GenerationStream:
         """Like `generate`, but yields ``(input_index, RequestOutput)`` as each request
         finishes, so results can be written while the batch runs.
@@ -408,10 +404,23 @@ class LLM:
         engine = self._live_engine()
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}.")
+        _check_no_lora(lora_request)
+        if tokenization_kwargs is not None and not isinstance(tokenization_kwargs, dict):
+            raise ValueError(
+                "tokenization_kwargs must be a dict of tokenizer arguments or None, got "
+                f"{type(tokenization_kwargs).__name__}."
+            )
         skip = on_error == "skip"
-        prepared = self._prepare(prompts, sampling_params, skip_invalid=skip)
+        prepared = self._prepare(
+            prompts, sampling_params, skip, priority, tokenization_kwargs or {}
+        )
         return GenerationStream(
-            engine, prepared, use_tqdm, skip_errors=skip, lock=self._generation_lock
+            engine,
+            prepared,
+            use_tqdm,
+            skip_errors=skip,
+            lock=self._generation_lock,
+            log_stats=not self.args.disable_log_stats,
         )
 
     def _prepare(
@@ -419,45 +428,64 @@ class LLM:
         prompts: PromptType | SequenceABC[PromptType],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None,
         skip_invalid: bool,
+        priority: list[int] | None,
+        tokenization_kwargs: dict[str, Any],
     ) -> list[PreparedRequest]:
         if isinstance(prompts, (str, dict)):
             prompt_list: list[Any] = [prompts]
         elif isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
             raise ValueError(
-                "prompts must be a str, a {'prompt_token_ids': [...]} dict, or a list of "
-                f"them, got {type(prompts).__name__}" + _BYTES_HINT.get(type(prompts), ".")
+                "prompts must be a str, a {'prompt': ...} or {'prompt_token_ids': [...]} dict, "
+                f"or a list of them, got {type(prompts).__name__}"
+                + _BYTES_HINT.get(type(prompts), ".")
             )
         else:
             prompt_list = list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
-        # A text that is not valid Unicode (a lone surrogate) fails the batched tokenizer
-        # for every prompt; it is this request's error alone.
-        text_errors = {
-            index: _text_error(index, prompt)
+        priorities = _priorities(priority, len(prompt_list))
+        texts = {
+            index: text
             for index, prompt in enumerate(prompt_list)
-            if isinstance(prompt, str)
+            if (text := _prompt_text(prompt)) is not None
         }
-        texts = [prompt_list[i] for i, error in text_errors.items() if error is None]
-        encoded = iter(self.tokenizer(texts)["input_ids"] if texts else [])
+        # A text that is not valid Unicode (a lone surrogate) fails the batched tokenizer
+        # for every prompt; it is this request's error alone. So does a missing tokenizer.
+        text_errors = {
+            index: _text_error(index, text)
+            if self.tokenizer is not None
+            else (
+                f"Request {index}: a text prompt needs a tokenizer, and this LLM was built "
+                "with skip_tokenizer_init=True; pass {'prompt_token_ids': [...]} instead."
+            )
+            for index, text in texts.items()
+        }
+        encodable = [index for index, error in text_errors.items() if error is None]
+        encoded: dict[int, list[int]] = {}
+        if encodable:
+            batch = self.get_tokenizer()([texts[i] for i in encodable], **tokenization_kwargs)
+            encoded = dict(zip(encodable, batch["input_ids"], strict=True))
         prepared = []
         for index, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
-            text_error = text_errors.get(index)
-            token_ids = (
-                list(next(encoded)) if isinstance(prompt, str) and text_error is None else None
-            )
             request = PreparedRequest(
-                index,
-                str(next(self._request_counter)),
-                prompt if isinstance(prompt, str) else None,
-                [],
-                params,
+                index, str(next(self._request_counter)), texts.get(index), [], params
             )
             try:
-                if text_error is not None:
-                    raise ValueError(text_error)
-                if token_ids is None:
+                if index in texts:
+                    text_error = text_errors[index]
+                    if text_error is not None:
+                        raise VLLMValidationError(text_error, parameter="prompt")
+                    token_ids = list(encoded[index])
+                else:
                     request.prompt, token_ids = self._prompt_tokens(index, prompt)
                 request.token_ids = token_ids
+                if priorities[index] != 0:
+                    raise VLLMValidationError(
+                        f"Request {index}: priority={priorities[index]}, but requests run first "
+                        "come, first served here (scheduling_policy 'fcfs' only); pass "
+                        "priority 0 or None.",
+                        parameter="priority",
+                        value=priorities[index],
+                    )
                 self._validate_request(index, token_ids, params)
                 request.bad_words_token_ids = self._bad_words_token_ids(index, params)
             except ValueError as error:
@@ -472,17 +500,24 @@ class LLM:
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: None = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[Any] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them.
+        """Generate replies to one conversation or a list of them (vLLM's ``LLM.chat``).
 
-        Each conversation (a list of ``{"role": ..., "content": ...}`` messages) is
-        rendered with the tokenizer's chat template (or ``chat_template``), then generated
-        like a prompt. ``continue_final_message`` continues the last (assistant) message
-        instead of starting a new one.
+        Each conversation (a list of ``{"role": ..., "content": ...}`` messages; a content
+        is a str or a list of OpenAI-style ``{"type": "text", "text": ...}`` parts) is
+        rendered with `render_chat`, then generated like a prompt.
+        ``continue_final_message`` continues the last (assistant) message instead of
+        starting a new one; ``tools`` and ``chat_template_kwargs`` (e.g.
+        ``{"enable_thinking": False}``) go to the template.
         """
+        _check_no_lora(lora_request)
         if add_generation_prompt and continue_final_message:
             raise ValueError(
                 "add_generation_prompt and continue_final_message cannot both be True: a "
@@ -497,7 +532,13 @@ class LLM:
             try:
                 prompts.append(
                     self.render_chat(
-                        conversation, chat_template, add_generation_prompt, continue_final_message
+                        conversation,
+                        chat_template,
+                        add_generation_prompt,
+                        continue_final_message,
+                        tools=tools,
+                        chat_template_kwargs=chat_template_kwargs,
+                        chat_template_content_format=chat_template_content_format,
                     )
                 )
             except (jinja2.TemplateError, ValueError) as error:
@@ -514,21 +555,44 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-    ) -> dict[str, Any]:
+        *,
+        tools: list[Any] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_content_format: str = "auto",
+    ) -> TokensPrompt:
         """One conversation as a prompt dict: the rendered text and its token ids.
 
-        The template writes the special tokens itself, so the text is tokenized without
-        adding any.
+        The template is ``chat_template``, else the LLM's ``chat_template`` argument, else
+        the tokenizer's. Content given as a list of text parts reaches the template as
+        one string (the parts joined by newlines) under ``chat_template_content_format``
+        "string", as the list of parts under "openai"; "auto" picks "openai" for a
+        template that loops over a message's content, as vLLM does. The template writes
+        the special tokens itself, so the text is tokenized without adding any.
         """
-        text = self.tokenizer.apply_chat_template(
-            conversation,
-            chat_template=chat_template,
+        tokenizer = self.get_tokenizer()
+        template = chat_template or self.chat_template
+        if chat_template_content_format == "auto":
+            chat_template_content_format = (
+                "openai"
+                if _loops_over_content(template or tokenizer.chat_template or "")
+                else "string"
+            )
+        if chat_template_content_format not in ("string", "openai"):
+            raise ValueError(
+                "chat_template_content_format must be 'auto', 'string' or 'openai', got "
+                f"{chat_template_content_format!r}."
+            )
+        text: str = tokenizer.apply_chat_template(  # type: ignore[assignment]  # tokenize=False
+            _with_content_format(conversation, chat_template_content_format),
+            chat_template=template,
+            tools=tools,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            **(chat_template_kwargs or {}),
         )
-        token_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return {"prompt": text, "prompt_token_ids": token_ids}
+        token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return TokensPrompt(prompt=text, prompt_token_ids=token_ids)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's recommended values from generation_config.json
@@ -571,9 +635,11 @@ class LLM:
     def _prompt_tokens(index: int, prompt: Any) -> tuple[str | None, list[int]]:
         """The text and token ids of a prompt given as a dict."""
         if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
-            raise ValueError(
-                f"Request {index}: a prompt must be a str or a dict with 'prompt_token_ids', "
-                f"got {type(prompt).__name__}."
+            raise VLLMValidationError(
+                f"Request {index}: a prompt must be a str, a {{'prompt': str}} dict or a dict "
+                f"with 'prompt_token_ids', got {type(prompt).__name__}"
+                + (f" with keys {sorted(prompt)}." if isinstance(prompt, dict) else "."),
+                parameter="prompt",
             )
         token_ids = prompt["prompt_token_ids"]
         if isinstance(token_ids, (str, bytes, bytearray, dict)) or not isinstance(
@@ -597,44 +663,62 @@ class LLM:
 
     def _validate_request(self, index: int, token_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
-            raise ValueError(
+            raise VLLMValidationError(
                 f"Request {index}: sampling_params must be a SamplingParams, got "
-                f"{type(params).__name__}."
+                f"{type(params).__name__}.",
+                parameter="sampling_params",
             )
         max_model_len = self.config.max_model_len
         if not token_ids:
-            raise ValueError(
+            raise VLLMValidationError(
                 f"Request {index}: the prompt is empty (0 tokens); every request needs at "
-                "least one prompt token."
+                "least one prompt token.",
+                parameter="prompt",
             )
         if len(token_ids) + 1 > max_model_len:
-            raise ValueError(
+            raise VLLMValidationError(
                 f"Request {index}: the prompt has {len(token_ids)} tokens, but "
                 f"max_model_len={max_model_len} leaves room for at most {max_model_len - 1} "
                 "prompt tokens plus 1 generated token. Shorten the prompt, or raise "
                 "max_model_len (up to the model's max_position_embeddings="
-                f"{self.config.hf_config.max_position_embeddings})."
+                f"{self.config.hf_config.max_position_embeddings}).",
+                parameter="prompt",
+                value=len(token_ids),
             )
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(
+            raise VLLMValidationError(
                 f"Request {index}: prompt token id {bad} is outside the vocabulary "
-                f"[0, {self.vocab_size})."
+                f"[0, {self.vocab_size}).",
+                parameter="prompt_token_ids",
+                value=bad,
             )
         try:
             params.verify()
-        except ValueError as error:
-            raise ValueError(f"Request {index}: {error}") from None
+        except VLLMValidationError as error:
+            raise VLLMValidationError(
+                f"Request {index}: {error}", parameter=error.parameter, value=error.value
+            ) from None
+        if self.tokenizer is None and (params.stop or params.bad_words):
+            raise VLLMValidationError(
+                f"Request {index}: stop strings and bad_words need a tokenizer, and this LLM "
+                "was built with skip_tokenizer_init=True; use stop_token_ids instead.",
+                parameter="stop" if params.stop else "bad_words",
+            )
         if params.n > self.config.max_num_seqs:
-            raise ValueError(
+            raise VLLMValidationError(
                 f"Request {index}: n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}; "
-                "the n sequences of a request run together. Lower n or raise max_num_seqs."
+                "the n sequences of a request run together. Lower n or raise max_num_seqs.",
+                parameter="n",
+                value=params.n,
             )
         bad = next((t for t in params.token_ids_in_use() if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(
+            raise VLLMValidationError(
                 f"Request {index}: SamplingParams names token id {bad}, outside the vocabulary "
-                f"[0, {self.vocab_size})."
+                f"[0, {self.vocab_size}).",
+                parameter="token_ids",
+                value=bad,
             )
         self._check_logprobs(index, params)
 
@@ -650,27 +734,32 @@ class LLM:
             if requested == -1:
                 requested = self.vocab_size
             if requested > limit:
-                raise ValueError(
+                raise VLLMValidationError(
                     f"Request {index}: Requested {kind} logprobs of {requested}, which is "
                     f"greater than max allowed: {limit} (the vocabulary has {self.vocab_size} "
                     f"tokens, LLM(max_logprobs={max_logprobs})). Lower {name}, or raise "
-                    "max_logprobs (-1 allows the whole vocabulary)."
+                    "max_logprobs (-1 allows the whole vocabulary).",
+                    parameter=name,
+                    value=requested,
                 )
 
     def _bad_words_token_ids(self, index: int, params: SamplingParams) -> list[list[int]]:
         """Token sequences of each bad word, at the start of a text and after a space."""
         sequences: list[list[int]] = []
+        if not params.bad_words:
+            return sequences
+        tokenizer = self.get_tokenizer()
         for word in params.bad_words:
             error = _text_error(index, word, "bad word")
             if error is not None:
                 raise ValueError(error)
-            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
             if not bare:
                 raise ValueError(
                     f"Request {index}: bad word {word!r} is no tokens once leading spaces are "
                     "dropped; remove it from bad_words."
                 )
-            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
             sequences.append(bare)
             # The spaced form counts only when it is another word of the same length, as
             # vLLM decides.
@@ -728,27 +817,194 @@ def _check_conversation(index: int, conversation: Any) -> None:
                 f"{where}: 'content' must be a str (or a list of content parts), got "
                 f"{content!r}; use '' for an empty message."
             )
+        if isinstance(content, list):
+            _content_texts(where, content)
 
 
-def _replica_engine(model_dir: Path, settings: dict[str, Any]) -> LLMEngine:
+def _content_texts(where: str, parts: list[Any]) -> list[str]:
+    """The texts of OpenAI-style content parts; other kinds of part are refused."""
+    texts = []
+    for part in parts:
+        if isinstance(part, str):
+            texts.append(part)
+        elif (
+            isinstance(part, dict)
+            and part.get("type") == "text"
+            and isinstance(part.get("text"), str)
+        ):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(
+                f"{where}: content part {part!r} is not supported: only text parts "
+                f"({{'type': 'text', 'text': ...}}) are, the models here being text-only "
+                f"(got type {kind!r})."
+            )
+    return texts
+
+
+def _with_content_format(
+    conversation: list[dict[str, Any]], content_format: str
+) -> list[dict[str, Any]]:
+    """Messages with their content as the template expects it: one string ("string", text
+    parts joined by newlines, as vLLM does) or a list of text parts ("openai")."""
+    messages = []
+    for position, message in enumerate(conversation):
+        content = message.get("content")
+        if content_format == "string" and isinstance(content, list):
+            content = "\n".join(_content_texts(f"Message {position}", content))
+        elif content_format == "openai":
+            texts = (
+                [content]
+                if isinstance(content, str)
+                else _content_texts(f"Message {position}", content)
+                if isinstance(content, list)
+                else None
+            )
+            if texts is not None:
+                content = [{"type": "text", "text": text} for text in texts]
+        messages.append({**message, "content": content})
+    return messages
+
+
+@functools.lru_cache(maxsize=16)
+def _loops_over_content(template: str) -> bool:
+    """Whether a chat template iterates over a message's content (``for part in
+    message['content']``), i.e. expects a list of parts."""
+    try:
+        tree = jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return False
+    for loop in tree.find_all(jinja2.nodes.For):
+        source = loop.iter
+        if isinstance(source, jinja2.nodes.Getattr) and source.attr == "content":
+            return True
+        if (
+            isinstance(source, jinja2.nodes.Getitem)
+            and isinstance(source.arg, jinja2.nodes.Const)
+            and source.arg.value == "content"
+        ):
+            return True
+    return False
+
+
+def _prompt_text(prompt: Any) -> str | None:
+    """The text of a prompt given as text: a str, or a `TextPrompt` without token ids."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
+        text = prompt.get("prompt")
+        return text if isinstance(text, str) else None
+    return None
+
+
+def _priorities(priority: list[int] | None, num_prompts: int) -> list[int]:
+    if priority is None:
+        return [0] * num_prompts
+    if not isinstance(priority, (list, tuple)) or len(priority) != num_prompts:
+        raise ValueError(
+            f"priority must be None or a list with one int per prompt ({num_prompts}), got "
+            f"{priority!r}."
+        )
+    return list(priority)
+
+
+def _check_no_lora(lora_request: object) -> None:
+    if lora_request is not None:
+        raise ValueError(
+            "lora_request is not supported: paged_llm has no LoRA adapters (see enable_lora); "
+            "merge the adapter into the weights and load that model, or pass None."
+        )
+
+
+def _replica_engine(model_dir: Path, args: EngineArgs) -> LLMEngine:
     """The engine of one data-parallel replica, built in its own process as a single-replica
     `LLM` with the front's settings would build it."""
-    engine = LLM(model_dir, **settings).engine
+    engine = LLM(model_dir, **args.to_kwargs()).engine
     assert isinstance(engine, LLMEngine)
     return engine
 
 
-def _read_generation_config(model_dir: Path) -> dict[str, Any]:
-    path = model_dir / "generation_config.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+def _hf_config(model_dir: Path, args: EngineArgs) -> Any:
+    """The model's Hugging Face config with ``hf_overrides`` applied."""
+    hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=args.trust_remote_code)
+    overrides = args.hf_overrides
+    if callable(overrides):
+        return overrides(hf_config)
+    for name, value in (overrides or {}).items():
+        setattr(hf_config, name, value)
+    return hf_config
+
+
+def _read_chat_template(chat_template: str | Path | None) -> str | None:
+    """A template given as a path is read from that file; any other string is the template."""
+    if chat_template is None:
+        return None
+    path = Path(chat_template)
+    # NOTE: a template's text can be too long to be a file name, which is no error.
+    try:
+        is_file = path.is_file()
+    except OSError:
+        is_file = False
+    if is_file:
+        return path.read_text()
+    # As vLLM: a string with none of Jinja's characters was meant as a path.
+    if isinstance(chat_template, Path) or not any(c in chat_template for c in "{}\n"):
+        raise ValueError(
+            f"LLM argument chat_template={str(chat_template)!r} looks like a file path, but "
+            "there is no such file; pass the template's text or an existing file."
+        )
+    return chat_template
+
+
+def _read_generation_config(folder: str | Path) -> dict[str, Any]:
+    path = Path(folder) / "generation_config.json"
+    if path.exists():
+        loaded: dict[str, Any] = json.loads(path.read_text())
+        return loaded
+    if not Path(folder).is_dir():
+        raise ValueError(
+            f"LLM argument generation_config={str(folder)!r} must be 'auto', 'vllm' or a "
+            "folder holding generation_config.json; no such folder."
+        )
+    return {}
 
 
 def _eos_token_ids(
-    generation_config: dict[str, Any], tokenizer: PreTrainedTokenizerBase
+    generation_config: dict[str, Any],
+    hf_config: Any,
+    tokenizer: PreTrainedTokenizerBase | None,
 ) -> frozenset[int]:
-    """EOS ids from generation_config.json (an int or a list) and the tokenizer."""
-    ids = generation_config.get("eos_token_id")
-    eos = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-    if tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
+    """EOS ids from generation_config.json (an int or a list) and the tokenizer, or the
+    model config where there is no tokenizer."""
+    eos: set[int] = set()
+    for ids in (
+        generation_config.get("eos_token_id"),
+        getattr(hf_config, "eos_token_id", None) if tokenizer is None else None,
+        tokenizer.eos_token_id if tokenizer is not None else None,
+    ):
+        eos.update(ids if isinstance(ids, list) else [ids] if ids is not None else [])
     return frozenset(eos)
+
+
+def _model_config(
+    model: str | Path, model_dir: Path, args: EngineArgs, config: EngineConfig
+) -> ModelConfig:
+    names = args.served_model_name
+    served = names[0] if isinstance(names, list) else names
+    return ModelConfig(
+        model=str(model),
+        tokenizer=str(args.tokenizer or model_dir),
+        tokenizer_mode=args.tokenizer_mode,
+        trust_remote_code=args.trust_remote_code,
+        dtype=config.dtype,
+        seed=config.seed,
+        revision=args.revision,
+        tokenizer_revision=args.tokenizer_revision,
+        max_model_len=config.max_model_len,
+        max_logprobs=config.max_logprobs,
+        hf_config=config.hf_config,
+        served_model_name=served if served is not None else str(model),
+        generation_config=str(args.generation_config),
+        skip_tokenizer_init=args.skip_tokenizer_init,
+    )

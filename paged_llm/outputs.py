@@ -46,7 +46,12 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock times (``time.time()`` seconds) in the life of one request."""
+    """Wall-clock times (``time.time()`` seconds) in the life of one request.
+
+    The fields have the names of vLLM's V0 ``RequestMetrics``; the ``*_ts`` properties and
+    ``first_token_latency`` give the same times under the names of vLLM's V1
+    ``RequestStateStats`` (there monotonic-clock stamps, here wall-clock: differences agree).
+    """
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -54,7 +59,29 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     # Tokens of the longest completion; with the token times it gives the decode pace.
-    num_generated_tokens: int = 0
+    num_generation_tokens: int = 0
+
+    @property
+    def queued_ts(self) -> float:
+        """A request is queued when it arrives."""
+        return self.arrival_time
+
+    @property
+    def scheduled_ts(self) -> float | None:
+        return self.first_scheduled_time
+
+    @property
+    def first_token_ts(self) -> float | None:
+        return self.first_token_time
+
+    @property
+    def last_token_ts(self) -> float | None:
+        return self.last_token_time
+
+    @property
+    def first_token_latency(self) -> float | None:
+        """Seconds from arrival to the first token (vLLM V1's name)."""
+        return self.time_to_first_token
 
     @property
     def time_in_queue(self) -> float | None:
@@ -73,9 +100,9 @@ class RequestMetrics:
         """Mean seconds between consecutive generated tokens."""
         if self.first_token_time is None or self.last_token_time is None:
             return None
-        if self.num_generated_tokens < 2:
+        if self.num_generation_tokens < 2:
             return None
-        return (self.last_token_time - self.first_token_time) / (self.num_generated_tokens - 1)
+        return (self.last_token_time - self.first_token_time) / (self.num_generation_tokens - 1)
 
 
 @dataclass

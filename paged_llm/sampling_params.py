@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
-from typing import Generic, TypeVar, overload
+from typing import Any, Generic, TypeVar, overload
+
+from paged_llm.exceptions import VLLMValidationError
 
 # Below this temperature sampling is greedy, as in vLLM.
 _GREEDY_EPS = 1e-5
@@ -71,7 +74,8 @@ class SamplingParams:
         temperature: Softmax temperature; 0 means greedy decoding.
         top_p: Keep the smallest set of most likely tokens whose probability mass reaches
             ``top_p``. Range (0, 1].
-        top_k: Keep the ``top_k`` most likely tokens; 0 or -1 disables it.
+        top_k: Keep the ``top_k`` most likely tokens; 0 or -1 disables it (and stays as
+            given, as in vLLM; greedy sampling sets it to 0).
         min_p: Drop tokens whose probability is below ``min_p`` times the most likely
             token's. Range [0, 1].
         seed: Seed for this request's random draws. The same seed gives the same tokens
@@ -96,6 +100,10 @@ class SamplingParams:
         spaces_between_special_tokens: Put spaces between special tokens in the text.
         logit_bias: Token id to a bias added to its logit, in [-100, 100].
         allowed_token_ids: When given, only these tokens can be generated.
+        extra_args: Anything else the caller wants to carry with the request; paged_llm
+            does not read it (vLLM passes it to custom sampling plugins).
+
+    Invalid values raise `VLLMValidationError` (a ValueError) naming the field.
     """
 
     n: int = 1
@@ -121,10 +129,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if _is_int(self.top_k) and self.top_k == -1:
-            self.top_k = 0
         self.verify()
         if self.is_greedy:
             # Filters do not change an argmax; dropping them keeps greedy rows on the fast path.
@@ -157,9 +164,11 @@ class SamplingParams:
             _check(-2.0 <= value <= 2.0, name, value, "in [-2, 2]")
         _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "> 0")
         _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0 (0 means greedy)")
+        # As vLLM: greedy completions would all be the same.
+        _check(not (self.is_greedy and self.n > 1), "n", self.n, "1 when using greedy sampling")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
         _check(
-            _is_int(self.top_k) and self.top_k >= 0,
+            _is_int(self.top_k) and self.top_k >= -1,
             "top_k",
             self.top_k,
             "an integer >= 1, or 0 / -1 to disable",
@@ -236,6 +245,10 @@ class SamplingParams:
                 "a non-empty list of token ids",
             )
 
+    def clone(self) -> SamplingParams:
+        """A deep copy, to change without touching this one (vLLM's ``clone``)."""
+        return copy.deepcopy(self)
+
     def token_ids_in_use(self) -> list[int]:
         """Token ids named by the parameters, to be checked against the vocabulary."""
         ids = list(self.stop_token_ids)
@@ -246,7 +259,9 @@ class SamplingParams:
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}.")
+        raise VLLMValidationError(
+            f"SamplingParams.{name} must be {allowed}, got {value!r}.", parameter=name, value=value
+        )
 
 
 def _is_int(value: object) -> bool:

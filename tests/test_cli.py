@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from paged_llm import LLM, SamplingParams
-from paged_llm.cli import main, parse_bytes, row_seed
+from paged_llm.cli import main, row_seed
+from paged_llm.engine_args import parse_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NUM_ROWS = 40

@@ -251,7 +251,7 @@ def test_max_logprobs_is_validated(tiny_model_dir: Callable[[str], Path]) -> Non
         (None, r"prompts must be a str, .* got NoneType"),
         (5, r"prompts must be a str, .* got int"),
         (b"hello", r"got bytes; decode bytes to a str first"),
-        ([b"hello"], r"Request 0: a prompt must be a str or a dict .* got bytes"),
+        ([b"hello"], r"Request 0: a prompt must be a str, .* got bytes"),
         ([{"prompt_token_ids": [True, False]}], r"Request 0: prompt_token_ids .* type bool"),
         ([{"prompt_token_ids": [1.0, 2.0]}], r"Request 0: prompt_token_ids .* type float"),
     ],
@@ -293,7 +293,7 @@ INTERLEAVED_PROMPTS = [
     {"prompt_token_ids": [300 + i % 3] * 24 + [900 + i] * (4 + 7 * i)} for i in range(5)
 ]
 INTERLEAVED_PARAMS = [
-    SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=2 if i == 1 else 1)
+    SamplingParams(temperature=1.0, seed=i, max_tokens=6, ignore_eos=True, n=2 if i == 1 else 1)
     for i in range(5)
 ]
 MUTATIONS = [

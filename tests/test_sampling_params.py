@@ -34,7 +34,8 @@ def test_defaults_follow_vllm() -> None:
 
 def test_normalizations() -> None:
     assert SamplingParams(stop="END").stop == ["END"]
-    assert SamplingParams(top_k=-1).top_k == 0
+    # -1 is kept as given, as vLLM reports it back; the sampler treats it as 0.
+    assert SamplingParams(top_k=-1, temperature=0.8).top_k == -1
     greedy = SamplingParams(temperature=0.0, top_p=0.5, top_k=3, min_p=0.2)
     assert greedy.is_greedy and (greedy.top_p, greedy.top_k, greedy.min_p) == (1.0, 0, 0.0)
 

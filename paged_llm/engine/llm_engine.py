@@ -58,7 +58,7 @@ class LLMEngine:
     def __init__(
         self,
         config: EngineConfig,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: PreTrainedTokenizerBase | None,
         eos_token_ids: frozenset[int],
     ) -> None:
         self.config = config
@@ -73,6 +73,7 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=config.max_model_len,
                 eos_token_ids=eos_token_ids,
+                chunked_prefill=config.chunked_prefill,
             ),
             self.block_manager,
         )

@@ -10,7 +10,10 @@ from paged_llm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Without a tokenizer (skip_tokenizer_init) texts are empty and logprobs carry no
+    decoded tokens, as in vLLM; `LLM` refuses stop strings then."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
         self.tokenizer = tokenizer
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
         # seq_id -> text cut at a stop string.
@@ -29,6 +32,7 @@ class OutputProcessor:
         decoded once, when they finish.
         """
         params = seq.sampling_params
+        assert self.tokenizer is not None, "LLM refuses stop strings without a tokenizer"
         detokenizer = self._detokenizers.get(seq.seq_id)
         if detokenizer is None:
             detokenizer = IncrementalDetokenizer(
@@ -54,7 +58,7 @@ class OutputProcessor:
         stopped = self._stopped_texts.pop(seq.seq_id, None)
         if stopped is not None:
             return stopped
-        if not params.detokenize:
+        if not params.detokenize or self.tokenizer is None:
             return ""
         token_ids = seq.output_token_ids
         # EOS and stop tokens end the sequence without being part of its text, as in vLLM.
@@ -70,22 +74,23 @@ class OutputProcessor:
             spaces_between_special_tokens=params.spaces_between_special_tokens,
         )
 
-    def _token_text(self, token_id: int) -> str:
+    def _token_text(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
         text = self._token_texts.get(token_id)
         if text is None:
             text = self._token_texts[token_id] = decode(self.tokenizer, [token_id])
         return text
 
     def _logprob_dict(self, raw: RawLogprobs) -> dict[int, Logprob]:
+        """The scored (sampled or prompt) token first, then the top ones by rank, as vLLM
+        orders them; a top token that is the scored one keeps its first place."""
         token_ids, logprobs, rank = raw
-        scored = Logprob(logprobs[0], rank, self._token_text(token_ids[0]))
-        entries = {
-            token_id: Logprob(logprob, top_rank, self._token_text(token_id))
-            for top_rank, (token_id, logprob) in enumerate(
-                zip(token_ids[1:], logprobs[1:], strict=True), start=1
-            )
-        }
-        entries[token_ids[0]] = scored
+        entries = {token_ids[0]: Logprob(logprobs[0], rank, self._token_text(token_ids[0]))}
+        for top_rank, (token_id, logprob) in enumerate(
+            zip(token_ids[1:], logprobs[1:], strict=True), start=1
+        ):
+            entries.setdefault(token_id, Logprob(logprob, top_rank, self._token_text(token_id)))
         return entries
 
     def make_output(self, request: Request) -> RequestOutput:
@@ -109,7 +114,7 @@ class OutputProcessor:
                     stop_reason=seq.stop_reason,
                 )
             )
-        request.metrics.num_generated_tokens = max(seq.num_output_tokens for seq in request.seqs)
+        request.metrics.num_generation_tokens = max(seq.num_output_tokens for seq in request.seqs)
         prompt_logprobs = None
         if params.prompt_logprobs is not None:
             prompt_logprobs = [None] + [self._logprob_dict(raw) for raw in request.prompt_logprobs]

@@ -3,7 +3,8 @@
 The scheduler speaks only in token counts. Every step it first gives each running
 sequence the tokens it still needs (one for a decode, a chunk for an unfinished
 prefill), then admits waiting sequences first-come first-served while the token
-budget and ``max_num_seqs`` allow, chunking a prompt that does not fit. When a running
+budget and ``max_num_seqs`` allow, chunking a prompt that does not fit (or, without
+chunked prefill, leaving it for a later step). When a running
 sequence needs a block and none is free, the most recently admitted running sequence
 is preempted: its blocks are freed and it waits again at the front of the queue,
 keeping its generated tokens, to be recomputed later.
@@ -53,6 +54,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     eos_token_ids: frozenset[int]
+    # False: a prompt is admitted only when all of it fits in the step's budget.
+    chunked_prefill: bool = True
 
 
 class Scheduler:
@@ -105,6 +108,8 @@ class Scheduler:
             cached_prefix = [] if needs_logits else self.block_manager.find_cached_prefix(seq)
             num_cached = len(cached_prefix) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
+            if num_new < seq.num_tokens - num_cached and not self.config.chunked_prefill:
+                break
             if not self.block_manager.allocate_slots(seq, num_new, cached_prefix):
                 break
             self.waiting.popleft()

@@ -38,6 +38,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         'paged_llm.integrations.lm_eval needs lm-evaluation-harness: pip install "paged_llm[eval]"'
     ) from error
 
+from paged_llm.inputs import TokensPrompt
 from paged_llm.llm import LLM
 from paged_llm.outputs import RequestOutput
 from paged_llm.sampling_params import SamplingParams
@@ -112,7 +113,7 @@ class PagedLM(TemplateLM):
                 batch_size,
             )
         self.llm = LLM(pretrained, device=device or "auto", seed=seed, **llm_kwargs)
-        self.tokenizer = self.llm.tokenizer
+        self.tokenizer = self.llm.get_tokenizer()
         self.add_bos_token = add_bos_token
         self.custom_prefix_token_id = prefix_token_id
         self._max_gen_toks = max_gen_toks
@@ -191,10 +192,11 @@ class PagedLM(TemplateLM):
         # NOTE: the whole sequence is the prompt, and the engine needs room for one generated
         # token; a longer one keeps its last tokens, as lm-eval's models truncate.
         max_prompt_len = self.max_length - 1
-        prompts, num_context = [], []
+        prompts: list[TokensPrompt] = []
+        num_context = []
         for _, context, continuation in requests:
             whole = (context + continuation)[-max_prompt_len:]
-            prompts.append({"prompt_token_ids": whole})
+            prompts.append(TokensPrompt(prompt_token_ids=whole))
             num_context.append(max(len(whole) - len(continuation), 1))
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, detokenize=False)
         outputs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm and self.rank == 0)
@@ -239,7 +241,8 @@ class PagedLM(TemplateLM):
         """Each context's completion up to its first ``until`` string (EOS included), in one
         generate call; greedy unless its gen_kwargs sample."""
         eos = self.tokenizer.decode(self.eot_token_id)
-        prompts, params, stops = [], [], []
+        prompts: list[TokensPrompt] = []
+        params, stops = [], []
         for context, gen_kwargs in (request.args for request in requests):
             kwargs = normalize_gen_kwargs(gen_kwargs, default_max_gen_toks=self.max_gen_toks)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
@@ -250,7 +253,7 @@ class PagedLM(TemplateLM):
                 max_gen_toks=max_gen_toks,
                 max_model_len=self.max_length,
             )
-            prompts.append({"prompt_token_ids": context_ids})
+            prompts.append(TokensPrompt(prompt_token_ids=context_ids))
             stops.append(until)
             params.append(_sampling_params(kwargs, max_gen_toks, until))
         outputs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm and self.rank == 0)

@@ -22,12 +22,14 @@ def make_scheduler(
     max_num_batched_tokens: int = 32,
     max_model_len: int = 64,
     prefix_caching: bool = True,
+    chunked_prefill: bool = True,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         eos_token_ids=frozenset({EOS}),
+        chunked_prefill=chunked_prefill,
     )
     return Scheduler(config, BlockManager(num_blocks, block_size, prefix_caching))
 
@@ -52,6 +54,20 @@ def test_long_prompt_is_chunked_and_decodes_run_alongside() -> None:
     # The decode of `short` comes first, then the next chunk of `long`.
     assert batch.seqs == [short, long] and batch.num_scheduled_tokens == [1, 7]
     assert long.num_output_tokens == 0 and short.num_output_tokens == 2
+
+
+def test_without_chunked_prefill_a_prompt_waits_until_it_fits_whole() -> None:
+    scheduler = make_scheduler(
+        max_num_batched_tokens=24, max_model_len=24, chunked_prefill=False, prefix_caching=False
+    )
+    first, second = make_prompt_seq(20, max_tokens=2), make_prompt_seq(10, max_tokens=2)
+    scheduler.add(first)
+    scheduler.add(second)
+    batch, _ = step(scheduler)
+    # Chunking would have given `second` the 4 tokens left; it waits for a step it fits in.
+    assert batch.seqs == [first] and batch.num_scheduled_tokens == [20]
+    batch, _ = step(scheduler)
+    assert batch.seqs == [first, second] and batch.num_scheduled_tokens == [1, 10]
 
 
 def test_fcfs_admission_under_max_num_seqs() -> None:
