@@ -4,6 +4,7 @@ batching, behind vLLM's offline API."""
 from paged_llm.llm import LLM
 from paged_llm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from paged_llm.sampling_params import SamplingParams
+from paged_llm.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -12,4 +13,5 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]

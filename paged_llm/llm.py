@@ -27,6 +27,7 @@ from paged_llm.engine.llm_engine import EngineMetrics, LLMEngine
 from paged_llm.model_files import resolve_model
 from paged_llm.outputs import RequestOutput
 from paged_llm.sampling_params import SamplingParams
+from paged_llm.structured_outputs.xgrammar_backend import build_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -617,6 +618,10 @@ class LLM:
             )
         try:
             params.verify()
+            if params.structured_outputs is not None:
+                # Parsed here, so that a bad schema or regex fails its own request up front;
+                # the engine compiles it for the tokenizer beside the running batch.
+                build_grammar(params.structured_outputs)
         except ValueError as error:
             raise ValueError(f"Request {index}: {error}") from None
         if params.n > self.config.max_num_seqs:

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Generic, TypeVar, overload
 
+from paged_llm.structured_outputs.params import StructuredOutputsParams
+
 # Below this temperature sampling is greedy, as in vLLM.
 _GREEDY_EPS = 1e-5
 
@@ -96,6 +98,11 @@ class SamplingParams:
         spaces_between_special_tokens: Put spaces between special tokens in the text.
         logit_bias: Token id to a bias added to its logit, in [-100, 100].
         allowed_token_ids: When given, only these tokens can be generated.
+        structured_outputs: Constrain the completion to a JSON schema, a regex, a list of
+            choices or a grammar (needs the ``structured`` extra, xgrammar). The completion
+            ends with finish_reason "stop" when the grammar is complete and the model ends
+            it; when max_tokens cuts it first it ends with "length" and its text may be
+            incomplete. Logprobs are then those of the grammar-masked distribution.
     """
 
     n: int = 1
@@ -121,6 +128,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if _is_int(self.top_k) and self.top_k == -1:
@@ -235,6 +243,16 @@ class SamplingParams:
                 self.allowed_token_ids,
                 "a non-empty list of token ids",
             )
+
+        _check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            self.structured_outputs,
+            "a StructuredOutputsParams or None",
+        )
+        if self.structured_outputs is not None:
+            self.structured_outputs.verify()
 
     def token_ids_in_use(self) -> list[int]:
         """Token ids named by the parameters, to be checked against the vocabulary."""
