@@ -11,8 +11,8 @@ import torch
 
 from paged_llm.engine.batch import padded_array
 from paged_llm.engine.sequence import Sequence
-from paged_llm.layers.sampler import SamplingMetadata, unpack_token_bitmask
-from paged_llm.structured_outputs.xgrammar_backend import grammar_bitmask
+from paged_llm.layers.sampler import SamplingMetadata
+from paged_llm.structured_outputs.xgrammar_backend import only_stop_tokens_allowed
 
 
 def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -34,21 +34,16 @@ def _banned_next_tokens(seq: Sequence) -> list[int]:
     return banned
 
 
-def _grammar_can_only_stop(
-    bitmask_row: torch.Tensor, eos_token_ids: frozenset[int], vocab_size: int
-) -> bool:
-    """The grammar is complete and allows nothing but its stop (EOS) tokens next.
-
-    min_tokens then yields to the grammar: banning EOS too would leave no token at all.
-    """
-    allowed = unpack_token_bitmask(bitmask_row[None], vocab_size)[0]
-    allowed[list(eos_token_ids)] = False
-    return not bool(allowed.any())
-
-
 def build_sampling_metadata(
-    seqs: list[Sequence], vocab_size: int, eos_token_ids: frozenset[int], device: torch.device
+    seqs: list[Sequence],
+    vocab_size: int,
+    eos_token_ids: frozenset[int],
+    device: torch.device,
+    grammar_bitmask: torch.Tensor | None = None,
 ) -> SamplingMetadata:
+    """``grammar_bitmask``: the step's structured-output bitmask (`grammar_bitmask`), which
+    the runner applies to the logits; here it only decides whether min_tokens may still
+    hold EOS back."""
     params = [seq.sampling_params for seq in seqs]
     num_rows = len(seqs)
 
@@ -91,16 +86,17 @@ def build_sampling_metadata(
     if use_presence:
         metadata.presence_penalty = row_tensor([p.presence_penalty for p in params], torch.float32)
 
-    bitmask = grammar_bitmask([seq.grammar for seq in seqs])
     banned: torch.Tensor | None = None
     for row, (seq, p) in enumerate(zip(seqs, params, strict=True)):
         ban: list[int] = []
         if seq.num_output_tokens < p.min_tokens:
             ban.extend(p.stop_token_ids)
+            # NOTE: once the grammar can only end, min_tokens yields to it: banning EOS
+            # too would leave no token to draw.
             if not p.ignore_eos and not (
-                bitmask is not None
+                grammar_bitmask is not None
                 and seq.grammar is not None
-                and _grammar_can_only_stop(bitmask[row], eos_token_ids, vocab_size)
+                and only_stop_tokens_allowed(grammar_bitmask[row], eos_token_ids, vocab_size)
             ):
                 ban.extend(eos_token_ids)
         if seq.request.bad_words_token_ids:
@@ -124,9 +120,6 @@ def build_sampling_metadata(
                     list(p.logit_bias.values()), torch.float32
                 )
         metadata.logit_bias = bias
-
-    if bitmask is not None:
-        metadata.grammar_bitmask = bitmask.to(device)
 
     requested = [p.logprobs for p in params if p.logprobs is not None]
     if requested:

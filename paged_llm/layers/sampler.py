@@ -1,7 +1,7 @@
 """Turns the logits of a batch into tokens (and logprobs), all rows at once.
 
-The order follows vLLM: the grammar's token bitmask (structured outputs); logprobs of that
-distribution (the raw one for rows without a grammar); then allowed / banned tokens and
+The order follows vLLM: logprobs of the raw distribution (for structured outputs, of the
+logits the runner has already masked with the grammar's bitmask); then allowed / banned tokens and
 logit bias; then repetition, frequency and presence penalties; then either argmax
 (greedy rows) or temperature, min-p, top-k and top-p, and a draw.
 
@@ -68,9 +68,6 @@ class SamplingMetadata:
     logit_bias: torch.Tensor | None = None  # [B, V] float32, added to the logits
     # Most logprobs any row asked for (0: the sampled token only); None: no row asked.
     max_num_logprobs: int | None = None
-    # [B, ceil(V / 32)] int32: bit t % 32 of word t // 32 set where the row's grammar
-    # allows token t (all set for rows without one).
-    grammar_bitmask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -106,19 +103,11 @@ def compute_logprobs(
 class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """``logits`` ``[B, V]`` float32 (not modified)."""
-        if metadata.grammar_bitmask is not None:
-            # NOTE: first, not after the bias and the bans: a -inf logit stays -inf under
-            # every later step, so the tokens drawn are the same, and logprobs then describe
-            # the distribution the grammar leaves, as vLLM's (whose runner applies the
-            # bitmask before its sampler).
-            logits = logits.masked_fill(
-                ~unpack_token_bitmask(metadata.grammar_bitmask, logits.shape[-1]), float("-inf")
-            )
         token_ids = self._sample(logits, metadata)
         logprobs = None
         num_top = metadata.max_num_logprobs
         if num_top is not None:
-            # Of the raw (or grammar-masked) distribution: _sample leaves ``logits`` as is.
+            # Of the raw distribution: _sample leaves ``logits`` untouched.
             raw_logprobs = torch.log_softmax(logits, dim=-1)
             if num_top == -1:
                 num_top = raw_logprobs.shape[-1]
@@ -148,14 +137,6 @@ class Sampler:
         if metadata.banned_tokens is not None:
             logits = logits.masked_fill(metadata.banned_tokens, float("-inf"))
         return logits
-
-
-def unpack_token_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``[B, vocab_size]`` bool from a ``[B, W]`` int32 bitmask (bit ``t % 32`` of word
-    ``t // 32`` stands for token ``t``); a bitmask wider than the vocabulary is cut."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.to(torch.int32)[:, :, None] >> shifts) & 1
-    return bits.flatten(1)[:, :vocab_size].bool()
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

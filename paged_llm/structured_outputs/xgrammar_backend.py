@@ -182,6 +182,33 @@ class SequenceGrammar:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
+def unpack_token_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[B, vocab_size]`` bool from a ``[B, W]`` int32 bitmask (bit ``t % 32`` of word
+    ``t // 32`` stands for token ``t``); a bitmask wider than the vocabulary is cut."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[:, :, None] >> shifts) & 1
+    return bits.flatten(1)[:, :vocab_size].bool()
+
+
+def only_stop_tokens_allowed(
+    bitmask_row: torch.Tensor, stop_token_ids: frozenset[int], vocab_size: int
+) -> bool:
+    """The row's grammar is complete and allows nothing but its stop tokens next."""
+    allowed = unpack_token_bitmask(bitmask_row[None], vocab_size)[0]
+    allowed[list(stop_token_ids)] = False
+    return not bool(allowed.any())
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set to -inf, in place, the logits of ``rows`` that their grammar does not allow.
+
+    xgrammar's kernel: on CPU about 4x faster than unpacking the bits with torch.
+    """
+    import_xgrammar().apply_token_bitmask_inplace(
+        logits, bitmask.to(logits.device), vocab_size=logits.shape[-1], indices=rows
+    )
+
+
 def grammar_bitmask(grammars: list[SequenceGrammar | None]) -> torch.Tensor | None:
     """``[len(grammars), ceil(V / 32)]`` int32: bit ``t % 32`` of word ``t // 32`` is set
     where the row's grammar allows token ``t`` next; rows without a grammar allow all.

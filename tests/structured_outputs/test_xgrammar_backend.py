@@ -13,7 +13,6 @@ import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
-from paged_llm.layers.sampler import unpack_token_bitmask
 from paged_llm.structured_outputs import StructuredOutputsParams
 from paged_llm.structured_outputs.xgrammar_backend import (
     GrammarCompiler,
@@ -21,6 +20,7 @@ from paged_llm.structured_outputs.xgrammar_backend import (
     build_grammar,
     grammar_bitmask,
     import_xgrammar,
+    unpack_token_bitmask,
 )
 
 # A vocabulary small enough to try every token at every step; token 0 is the stop token.
