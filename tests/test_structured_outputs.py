@@ -386,3 +386,19 @@ def test_two_constraints_fail_naming_the_request(llm: LLM) -> None:
         match=r"Request 1: StructuredOutputsParams needs exactly one of .* got regex and choice",
     ):
         llm.generate(PROMPTS[:2], [SamplingParams(), params], use_tqdm=False)
+
+
+def test_a_whitespace_pattern_bounds_the_whitespace_of_json(llm: LLM) -> None:
+    schema = SCHEMAS[7]
+    params = SamplingParams(
+        n=4,
+        temperature=1.0,
+        seed=11,
+        max_tokens=64,
+        structured_outputs=StructuredOutputsParams(json=schema, whitespace_pattern="[ ]?"),
+    )
+    output = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
+    _assert_valid([output], [_json_valid(schema)], min_share=0.5)
+    # The schema has no free strings: every blank is whitespace between JSON tokens.
+    for completion in output.outputs:
+        assert "\n" not in completion.text and "  " not in completion.text

@@ -33,8 +33,9 @@ class StructuredOutputsParams:
             not list. With xgrammar (as in vLLM) this is always so: its strict mode treats
             every object without ``additionalProperties`` as closed, so the flag is accepted
             for compatibility and changes nothing.
-        whitespace_pattern: vLLM passes it to its outlines backend only; xgrammar has no
-            equivalent, so a value other than None is refused.
+        whitespace_pattern: JSON only: a regex for the whitespace allowed between JSON
+            tokens (where free whitespace would be), e.g. ``"[ ]?"``; not together with
+            ``disable_any_whitespace``.
     """
 
     json: str | dict[str, Any] | None = None
@@ -95,13 +96,20 @@ class StructuredOutputsParams:
         for name in ("disable_any_whitespace", "disable_additional_properties"):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, value, "a bool")
-        _check(
-            self.whitespace_pattern is None,
-            "whitespace_pattern",
-            self.whitespace_pattern,
-            "None: xgrammar has no whitespace patterns (vLLM uses them with outlines only); "
-            "use disable_any_whitespace=True for JSON without free whitespace",
-        )
+        if self.whitespace_pattern is not None:
+            _check(
+                isinstance(self.whitespace_pattern, str) and self.whitespace_pattern != "",
+                "whitespace_pattern",
+                self.whitespace_pattern,
+                "a non-empty regex str or None",
+            )
+            _check(
+                given[0] in ("json", "json_object") and not self.disable_any_whitespace,
+                "whitespace_pattern",
+                self.whitespace_pattern,
+                "None unless json or json_object is set and disable_any_whitespace is False "
+                "(it is the whitespace allowed between JSON tokens)",
+            )
 
     def cache_key(self) -> str:
         """The same text for the same constraint: the key of its compiled grammar."""
@@ -110,7 +118,9 @@ class StructuredOutputsParams:
             # A schema given as text and the same schema as a dict share one grammar.
             value = _json_schema(value)
         return json.dumps(
-            [self.kind, value, self.disable_any_whitespace], sort_keys=True, ensure_ascii=False
+            [self.kind, value, self.disable_any_whitespace, self.whitespace_pattern],
+            sort_keys=True,
+            ensure_ascii=False,
         )
 
 

@@ -30,6 +30,11 @@ logger = logging.getLogger(__name__)
 # Distinct constraints whose compiled grammars an engine keeps (a few hundred KB each).
 _CACHE_SIZE = 256
 
+# Free whitespace in xgrammar's JSON grammars (any_whitespace=True), between every two tokens.
+_FREE_WHITESPACE = "[ \\n\\r\\t]*"
+# An EBNF string literal, a character class, or a name.
+_EBNF_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|\w+')
+
 # xgrammar's errors start with "[time] /path/file.cc:line: ", which tells a user nothing.
 _NATIVE_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: ")
 
@@ -59,11 +64,12 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
     kind = params.kind
     any_whitespace = not params.disable_any_whitespace
     try:
-        if kind == "json":
-            assert params.json is not None
-            return xgr.Grammar.from_json_schema(params.json, any_whitespace=any_whitespace)
-        if kind == "json_object":
-            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+        if kind in ("json", "json_object"):
+            schema = '{"type": "object"}' if params.json is None else params.json
+            grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
+            if params.whitespace_pattern is None:
+                return grammar
+            return _with_whitespace_pattern(xgr, grammar, params.whitespace_pattern)
         if kind == "regex":
             assert params.regex is not None
             return xgr.Grammar.from_regex(params.regex)
@@ -77,6 +83,30 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
         raise ValueError(
             f"StructuredOutputsParams.{kind} is not valid for xgrammar: {reason}"
         ) from None
+
+
+def _with_whitespace_pattern(xgr: ModuleType, grammar: xgr.Grammar, pattern: str) -> xgr.Grammar:
+    """A JSON grammar whose free whitespace is replaced by the regex ``pattern``.
+
+    xgrammar has no whitespace option of its own (vLLM's whitespace_pattern goes to outlines
+    only), so the regex's grammar joins the JSON grammar's, its rules renamed apart.
+    """
+    try:
+        whitespace = str(xgr.Grammar.from_regex(pattern))
+    except RuntimeError as error:
+        raise ValueError(
+            "StructuredOutputsParams.whitespace_pattern is not a valid regex for xgrammar: "
+            + _NATIVE_PREFIX.sub("", str(error).strip())
+        ) from None
+    names = set(re.findall(r"^(\w+) ::=", whitespace, flags=re.MULTILINE))
+    whitespace = _EBNF_TOKEN.sub(
+        lambda m: f"json_whitespace_{m.group()}" if m.group() in names else m.group(), whitespace
+    )
+    json_ebnf = str(grammar)
+    assert _FREE_WHITESPACE in json_ebnf, "xgrammar changed how it writes JSON whitespace"
+    return xgr.Grammar.from_ebnf(
+        json_ebnf.replace(_FREE_WHITESPACE, "json_whitespace_root") + "\n" + whitespace
+    )
 
 
 class GrammarCompiler:

@@ -25,7 +25,12 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
         ({"json": "{not json"}, r"json is not valid JSON: Expecting property name"),
         ({"json_object": False}, r"json_object must be True or None, got False"),
         ({"regex": "a", "disable_any_whitespace": 1}, r"disable_any_whitespace must be a bool"),
-        ({"regex": "a", "whitespace_pattern": " ?"}, r"whitespace_pattern must be None: xgr"),
+        ({"regex": "a", "whitespace_pattern": " ?"}, r"whitespace_pattern must be None unless"),
+        (
+            {"json_object": True, "disable_any_whitespace": True, "whitespace_pattern": " ?"},
+            r"whitespace_pattern must be None unless json or json_object is set and disable",
+        ),
+        ({"json_object": True, "whitespace_pattern": ""}, r"whitespace_pattern must be a non-e"),
     ],
 )
 def test_bad_fields_are_refused_naming_the_field(fields: dict, message: str) -> None:

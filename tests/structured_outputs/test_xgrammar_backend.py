@@ -107,8 +107,40 @@ def test_a_choice_with_quotes_and_backslashes_matches_itself_only() -> None:
 
 
 @pytest.mark.parametrize(
+    ("text", "accepted"),
+    [
+        ('{"a": 1}', True),
+        ('{"a":1,"b":["x y"]}', True),
+        ('{ "a" : 1 , "b" : [ "x" ] }', True),
+        ('{"a":  1}', False),
+        ('{\n"a": 1}', False),
+        ('{"a": 1}\t', False),
+    ],
+)
+def test_a_whitespace_pattern_is_the_only_whitespace_between_json_tokens(
+    text: str, accepted: bool
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer"},
+            "b": {"type": "array", "items": {"type": "string"}},
+        },
+        "required": ["a"],
+    }
+    grammar = build_grammar(StructuredOutputsParams(json=schema, whitespace_pattern="[ ]?"))
+    info = xgr.TokenizerInfo([chr(code) for code in range(32, 127)] + ["\n", "\t"])
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(grammar))
+    assert (matcher.accept_string(text) and matcher.is_completed()) is accepted
+
+
+@pytest.mark.parametrize(
     ("fields", "message"),
     [
+        (
+            {"json_object": True, "whitespace_pattern": "( "},
+            r"whitespace_pattern is not a valid regex for xgrammar: Regex parsing error",
+        ),
         ({"json": {"type": "integr"}}, r"json is not valid for xgrammar: Unsupported type"),
         ({"regex": "a(b"}, r"regex is not valid for xgrammar: Regex parsing error at position 4"),
         ({"grammar": "root ::= foo"}, r'grammar is not valid for xgrammar: .*Rule "foo" is not'),
