@@ -12,6 +12,7 @@ Run from the repository root:
     python -m benchmarks.throughput --device cuda --random-weights-config qwen3-0.6b
     python -m benchmarks.throughput --engines paged_llm --tensor-parallel-size 2 \
         --data-parallel-size 2
+    python -m benchmarks.throughput --engines paged_llm --structured json
 """
 
 from __future__ import annotations
@@ -164,6 +165,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         help="also run paged_llm as this many data-parallel replicas (each with its share "
         "of --threads)",
+    )
+    parser.add_argument(
+        "--structured",
+        choices=("json",),
+        default=None,
+        help="also run paged_llm with a JSON schema on every request (structured outputs) "
+        "and print its throughput against the unconstrained run",
     )
     parser.add_argument(
         "--skip-roofline", action="store_true", help="do not measure matmul GFLOP/s"
@@ -403,6 +411,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ]:
             if size > 1:
                 jobs.append((label, REFERENCE_ENGINE, replace(options, **{size_field: size})))
+        if args.structured is not None:
+            jobs.append(
+                (
+                    f"paged_llm structured={args.structured}",
+                    REFERENCE_ENGINE,
+                    replace(options, structured=args.structured),
+                )
+            )
         runs: list[tuple[str, EngineRun]] = []
         for label, name, engine_options in jobs:
             runs.append((label, run_engine_in_subprocess(name, engine_options, workload, work_dir)))
@@ -432,6 +448,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"\nPrefix caching: {comparison['speedup']:.2f}x faster with the cache "
             f"({on.wall_seconds:.2f} s vs {off.wall_seconds:.2f} s)."
         )
+    structured = None
+    if args.structured is not None and reference is not None:
+        constrained = runs[-1][1]
+        structured = {
+            "relative_throughput": reference.wall_seconds / constrained.wall_seconds,
+            "wall_seconds_unconstrained": reference.wall_seconds,
+            "wall_seconds_structured": constrained.wall_seconds,
+        }
+        print(
+            f"\nStructured outputs ({args.structured}): "
+            f"{100 * structured['relative_throughput']:.1f}% of the unconstrained throughput "
+            f"({constrained.wall_seconds:.2f} s vs {reference.wall_seconds:.2f} s)."
+        )
     result = {
         "benchmark": "throughput",
         "machine": machine,
@@ -459,6 +488,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "engines": [asdict(s) for s in summaries],
         "prefix_caching_comparison": comparison,
+        "structured_outputs_comparison": structured,
     }
     if args.out is not None:
         write_json(args.out, result)
