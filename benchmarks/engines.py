@@ -63,6 +63,26 @@ class EngineOptions:
     data_parallel_size: int = 1
     # paged_llm only: LLM(batch_invariant=...).
     batch_invariant: bool = False
+    # paged_llm only: "json" constrains every request with `STRUCTURED_JSON_SCHEMA`.
+    structured: str | None = None
+
+
+# Records with bounded fields, at least 10,000 of them: no request of a benchmark can finish
+# the array, so each still runs to exactly its max_tokens, and every token is masked.
+STRUCTURED_JSON_SCHEMA = {
+    "type": "array",
+    "minItems": 10_000,
+    "items": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 99_999},
+            "name": {"type": "string", "maxLength": 24},
+            "score": {"type": "number"},
+            "tags": {"type": "array", "items": {"enum": ["new", "used", "rare"]}, "maxItems": 3},
+        },
+        "required": ["id", "name", "tags"],
+    },
+}
 
 
 @dataclass
@@ -129,9 +149,11 @@ class PagedLLMEngine(Engine):
             data_parallel_size=options.data_parallel_size,
             batch_invariant=options.batch_invariant,
         )
+        self.structured = options.structured
 
     def generate(self, requests: list[BenchRequest]) -> list[list[int]]:
-        return [list(o.outputs[0].token_ids) for o in generate_greedy(self.llm, requests)]
+        outputs = generate_greedy(self.llm, requests, self.structured)
+        return [list(o.outputs[0].token_ids) for o in outputs]
 
     def counters(self) -> dict[str, float]:
         metrics = self.llm.get_metrics()
@@ -158,19 +180,30 @@ class PagedLLMEngine(Engine):
         self.llm.shutdown()
 
 
-def greedy_params(max_tokens: int) -> Any:
+def greedy_params(max_tokens: int, structured: str | None = None) -> Any:
     """paged_llm's greedy, EOS-ignoring SamplingParams; no detokenization, since the
-    transformers engines return token ids only."""
-    from paged_llm import SamplingParams
+    transformers engines return token ids only. ``structured="json"``: constrained to
+    `STRUCTURED_JSON_SCHEMA`."""
+    from paged_llm import SamplingParams, StructuredOutputsParams
 
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    return SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        detokenize=False,
+        structured_outputs=None
+        if structured is None
+        else StructuredOutputsParams(json=STRUCTURED_JSON_SCHEMA),
+    )
 
 
-def generate_greedy(llm: Any, requests: list[BenchRequest]) -> list[Any]:
+def generate_greedy(
+    llm: Any, requests: list[BenchRequest], structured: str | None = None
+) -> list[Any]:
     """paged_llm's ``RequestOutput``s for ``requests``, greedy, each to its own length."""
     return llm.generate(
         [{"prompt_token_ids": r.prompt_token_ids} for r in requests],
-        [greedy_params(r.max_tokens) for r in requests],
+        [greedy_params(r.max_tokens, structured) for r in requests],
         use_tqdm=False,
     )
 

@@ -13,6 +13,7 @@ Run from the repository root:
     python -m benchmarks.throughput --engines paged_llm --tensor-parallel-size 2 \
         --data-parallel-size 2
     python -m benchmarks.throughput --engines paged_llm --batch-invariant
+    python -m benchmarks.throughput --engines paged_llm --structured json
 """
 
 from __future__ import annotations
@@ -170,6 +171,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--batch-invariant",
         action="store_true",
         help="also run paged_llm with batch_invariant=True, to measure what it costs",
+    )
+    parser.add_argument(
+        "--structured",
+        choices=("json",),
+        default=None,
+        help="also run paged_llm with a JSON schema on every request (structured outputs) "
+        "and print its throughput against the unconstrained run",
     )
     parser.add_argument(
         "--skip-roofline", action="store_true", help="do not measure matmul GFLOP/s"
@@ -417,6 +425,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     replace(options, batch_invariant=True),
                 )
             )
+        if args.structured is not None:
+            jobs.append(
+                (
+                    f"paged_llm structured={args.structured}",
+                    REFERENCE_ENGINE,
+                    replace(options, structured=args.structured),
+                )
+            )
         runs: list[tuple[str, EngineRun]] = []
         for label, name, engine_options in jobs:
             runs.append((label, run_engine_in_subprocess(name, engine_options, workload, work_dir)))
@@ -446,6 +462,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"\nPrefix caching: {comparison['speedup']:.2f}x faster with the cache "
             f"({on.wall_seconds:.2f} s vs {off.wall_seconds:.2f} s)."
         )
+    structured = None
+    if args.structured is not None and reference is not None:
+        constrained = runs[-1][1]
+        structured = {
+            "relative_throughput": reference.wall_seconds / constrained.wall_seconds,
+            "wall_seconds_unconstrained": reference.wall_seconds,
+            "wall_seconds_structured": constrained.wall_seconds,
+        }
+        print(
+            f"\nStructured outputs ({args.structured}): "
+            f"{100 * structured['relative_throughput']:.1f}% of the unconstrained throughput "
+            f"({constrained.wall_seconds:.2f} s vs {reference.wall_seconds:.2f} s)."
+        )
     result = {
         "benchmark": "throughput",
         "machine": machine,
@@ -473,6 +502,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "engines": [asdict(s) for s in summaries],
         "prefix_caching_comparison": comparison,
+        "structured_outputs_comparison": structured,
     }
     if args.out is not None:
         write_json(args.out, result)

@@ -6,6 +6,7 @@ from paged_llm.inputs import TextPrompt, TokensPrompt
 from paged_llm.llm import LLM
 from paged_llm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from paged_llm.sampling_params import SamplingParams
+from paged_llm.structured_outputs import StructuredOutputsParams
 
 # As ``from vllm import LLM, SamplingParams, TokensPrompt`` (lm-eval's vLLM wrapper's import).
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "TextPrompt",
     "TokensPrompt",
 ]

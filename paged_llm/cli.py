@@ -8,7 +8,10 @@ commands share everything below but the row format: the output lock, appending a
 each result, ``--resume`` (its output rows are keyed by their ``id`` too) and crash safety.
 
 Each input line is ``{"id": ..., "prompt": "..."}`` or ``{"id": ..., "messages": [...]}``
-(rendered with the model's chat template). Each finished request is appended to the output
+(rendered with the model's chat template). A row may constrain its completions with
+``"structured_outputs": {...}`` (the fields of `StructuredOutputsParams`) or OpenAI's
+``"response_format": {"type": "json_schema", "json_schema": {"schema": {...}}}`` (or
+``{"type": "json_object"}``). Each finished request is appended to the output
 as one JSON line and flushed to disk at once, so a crash loses only the requests still
 running; ``--resume`` repairs a torn last line, removes duplicate ids (keeping each id's
 first row) and runs only the ids not yet written.
@@ -39,7 +42,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -51,6 +54,7 @@ from paged_llm.llm import LLM
 from paged_llm.model_files import DEFAULT_MODEL
 from paged_llm.outputs import RequestOutput
 from paged_llm.sampling_params import SamplingParams
+from paged_llm.structured_outputs import StructuredOutputsParams
 
 # At most this many input errors are listed before the rest are only counted.
 _MAX_LISTED_ERRORS = 20
@@ -73,6 +77,8 @@ class InputRow:
     prompt: str | list[dict[str, Any]]
     # Why the row cannot run (written as its error row instead of generating), or None.
     error: str | None = None
+    # The row's "structured_outputs" or "response_format", or None.
+    structured_outputs: StructuredOutputsParams | None = None
 
 
 def read_input(path: Path) -> list[InputRow]:
@@ -159,7 +165,9 @@ def _parse_row(line_number: int, text: str, first_line_of: dict[str | int, int])
         )
     else:
         text_or_messages = messages
-    row = InputRow(line_number, row_id, text_or_messages)
+    row = InputRow(
+        line_number, row_id, text_or_messages, structured_outputs=_structured_outputs(record)
+    )
     # NOTE: a lone surrogate fails the row, not the job: the tokenizer cannot take it, but the
     # row is well formed, and its error row tells the user which one to fix.
     for field, value in (
@@ -173,6 +181,46 @@ def _parse_row(line_number: int, text: str, first_line_of: dict[str | int, int])
             )
             break
     return row
+
+
+def _structured_outputs(record: dict[str, Any]) -> StructuredOutputsParams | None:
+    """A row's constraint, from "structured_outputs" or OpenAI's "response_format"."""
+    given, response_format = record.get("structured_outputs"), record.get("response_format")
+    if given is not None and response_format is not None:
+        raise ValueError("give 'structured_outputs' or 'response_format', not both")
+    if response_format is not None:
+        given = _from_response_format(response_format)
+        if given is None:
+            return None
+    elif given is None:
+        return None
+    if not isinstance(given, dict):
+        raise ValueError(f"'structured_outputs' must be an object, got {type(given).__name__}")
+    known = {field.name for field in fields(StructuredOutputsParams)}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ValueError(
+            f"'structured_outputs' has unknown fields {unknown}; known: {sorted(known)}"
+        )
+    return StructuredOutputsParams(**given)
+
+
+def _from_response_format(response_format: object) -> dict[str, Any] | None:
+    """StructuredOutputsParams fields for an OpenAI response_format (None for "text")."""
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        assert isinstance(response_format, dict)
+        spec = response_format.get("json_schema")
+        if isinstance(spec, dict) and isinstance(spec.get("schema"), dict):
+            return {"json": spec["schema"]}
+    raise ValueError(
+        '\'response_format\' must be {"type": "json_schema", "json_schema": {"schema": {...}}}, '
+        f'{{"type": "json_object"}} or {{"type": "text"}}, got {response_format!r}'
+    )
 
 
 def recover_output(path: Path) -> set[str | int]:
@@ -604,7 +652,10 @@ def _generate(
             continue
         prompts.append(prompt)
         runnable.append(row)
-    params = [replace(base, seed=row_seed(args.seed, row.id)) for row in runnable]
+    params = [
+        replace(base, seed=row_seed(args.seed, row.id), structured_outputs=row.structured_outputs)
+        for row in runnable
+    ]
     for index, output, error in _stream(args, llm, prompts, params):
         row = runnable[index]
         if error is not None:

@@ -29,6 +29,7 @@ from paged_llm.inputs import PromptType, TokensPrompt
 from paged_llm.model_files import resolve_model
 from paged_llm.outputs import RequestOutput
 from paged_llm.sampling_params import SamplingParams
+from paged_llm.structured_outputs.xgrammar_backend import build_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -695,15 +696,30 @@ class LLM:
             )
         try:
             params.verify()
+            if params.structured_outputs is not None:
+                # Parsed here, so that a bad schema or regex fails its own request up front;
+                # the engine compiles it for the tokenizer beside the running batch.
+                build_grammar(params.structured_outputs)
         except VLLMValidationError as error:
             raise VLLMValidationError(
                 f"Request {index}: {error}", parameter=error.parameter, value=error.value
+            ) from None
+        except ValueError as error:
+            raise VLLMValidationError(
+                f"Request {index}: {error}", parameter="structured_outputs"
             ) from None
         if self.tokenizer is None and (params.stop or params.bad_words):
             raise VLLMValidationError(
                 f"Request {index}: stop strings and bad_words need a tokenizer, and this LLM "
                 "was built with skip_tokenizer_init=True; use stop_token_ids instead.",
                 parameter="stop" if params.stop else "bad_words",
+            )
+        if self.tokenizer is None and params.structured_outputs is not None:
+            raise VLLMValidationError(
+                f"Request {index}: structured outputs compile their grammar for the tokenizer, "
+                "and this LLM was built with skip_tokenizer_init=True; build it with a "
+                "tokenizer.",
+                parameter="structured_outputs",
             )
         if params.n > self.config.max_num_seqs:
             raise VLLMValidationError(

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, overload
 
 from paged_llm.exceptions import VLLMValidationError
+from paged_llm.structured_outputs.params import StructuredOutputsParams
 
 # Below this temperature sampling is greedy, as in vLLM.
 _GREEDY_EPS = 1e-5
@@ -100,6 +101,11 @@ class SamplingParams:
         spaces_between_special_tokens: Put spaces between special tokens in the text.
         logit_bias: Token id to a bias added to its logit, in [-100, 100].
         allowed_token_ids: When given, only these tokens can be generated.
+        structured_outputs: Constrain the completion to a JSON schema, a regex, a list of
+            choices or a grammar (needs the ``structured`` extra, xgrammar). The completion
+            ends with finish_reason "stop" when the grammar is complete and the model ends
+            it; when max_tokens cuts it first it ends with "length" and its text may be
+            incomplete. Logprobs are then those of the grammar-masked distribution.
         extra_args: Anything else the caller wants to carry with the request; paged_llm
             does not read it (vLLM passes it to custom sampling plugins).
 
@@ -130,6 +136,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     extra_args: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.verify()
@@ -244,6 +251,16 @@ class SamplingParams:
                 self.allowed_token_ids,
                 "a non-empty list of token ids",
             )
+
+        _check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            self.structured_outputs,
+            "a StructuredOutputsParams or None",
+        )
+        if self.structured_outputs is not None:
+            self.structured_outputs.verify()
 
     def clone(self) -> SamplingParams:
         """A deep copy, to change without touching this one (vLLM's ``clone``)."""

@@ -163,6 +163,31 @@ def test_throughput_runs_tensor_and_data_parallel_paged_llm_beside_one_process(
 
 
 @pytest.mark.slow
+def test_throughput_runs_structured_json_beside_the_unconstrained_run(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "throughput.json"
+    run_module(
+        "benchmarks.throughput",
+        "--model", str(tiny_model_dir("llama")),
+        "--workload", "a",
+        "--num-requests", "4",
+        "--input-len", "8", "16",
+        "--output-len", "6", "10",
+        "--engines", "paged_llm",
+        "--structured", "json",
+        "--skip-roofline",
+        "--out", str(out),
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    engines = {e["label"]: e for e in result["engines"]}
+    assert set(engines) == {"paged_llm", "paged_llm structured=json"}
+    # The schema changes the greedy tokens, yet every request still runs to its max_tokens.
+    assert engines["paged_llm structured=json"]["identical_to_reference"] < 1
+    assert result["structured_outputs_comparison"]["relative_throughput"] > 0
+
+
+@pytest.mark.slow
 def test_gpu_check_script_runs_every_step_at_toy_sizes_on_the_cpu(
     tiny_model_dir: Callable[[str], Path], tmp_path: Path
 ) -> None:

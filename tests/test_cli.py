@@ -625,3 +625,62 @@ def test_run_batch_resumes_after_kill_9_with_each_custom_id_once_and_refuses_a_s
     )
     by_id = {line["custom_id"]: without_created(line) for line in resumed}
     assert by_id == {line["custom_id"]: without_created(line) for line in read_rows(clean)}
+
+
+def test_rows_constrain_their_completions_with_structured_outputs_or_response_format(
+    model: str, tmp_path: Path
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"],
+    }
+    rows = [
+        {"id": "choice", "prompt": "Pick:", "structured_outputs": {"choice": ["red", "blue"]}},
+        {
+            "id": "schema",
+            "messages": [{"role": "user", "content": "A number?"}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "n", "schema": schema},
+            },
+        },
+        {"id": "free", "prompt": "Anything", "response_format": {"type": "text"}},
+        {"id": "bad-regex", "prompt": "x", "structured_outputs": {"regex": "[a-"}},
+    ]
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    output = tmp_path / "out.jsonl"
+    argv = ["generate", "-i", str(source), "-o", str(output), *engine_args(model)]
+    assert main([*argv, "--max-tokens", "40", "--temperature", "0"]) == 0
+    by_id = {row["id"]: row for row in read_rows(output)}
+    assert by_id["choice"]["outputs"][0]["text"] in ("red", "blue")
+    completion = by_id["schema"]["outputs"][0]
+    if completion["finish_reason"] == "stop":
+        assert 0 <= json.loads(completion["text"])["n"] <= 99
+    assert by_id["free"]["outputs"][0]["text"]
+    assert (
+        "line 4: StructuredOutputsParams.regex is not valid for xgrammar"
+        in by_id["bad-regex"]["error"]
+    )
+
+
+def test_bad_structured_output_fields_are_bad_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = [
+        {"id": 1, "prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}},
+        {"id": 2, "prompt": "x", "structured_outputs": {"schema": {}}},
+        {"id": 3, "prompt": "x", "response_format": {"type": "json_schema"}},
+        {"id": 4, "prompt": "x", "response_format": {"type": "text"}, "structured_outputs": {}},
+    ]
+    source = write_jsonl(tmp_path / "in.jsonl", lines)
+    code = main(["generate", "-i", str(source), "-o", str(tmp_path / "o.jsonl"), "--model", "m"])
+    assert code == 2
+    err = capsys.readouterr().err
+    for expected in (
+        "in.jsonl:1: StructuredOutputsParams needs exactly one of",
+        "in.jsonl:2: 'structured_outputs' has unknown fields ['schema']",
+        "in.jsonl:3: 'response_format' must be",
+        "in.jsonl:4: give 'structured_outputs' or 'response_format', not both",
+    ):
+        assert expected in err

@@ -65,3 +65,33 @@ def test_gguf_file_gives_the_same_model(llm: LLM) -> None:
     expected = llm.chat(conversation, params, use_tqdm=False)[0].outputs[0].token_ids
     with LLM(str(smollm2_gguf_path()), max_model_len=256) as other:
         assert other.chat(conversation, params, use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled-n4"])
+def test_chat_replies_follow_schemas_regexes_and_choices(llm: LLM, sampled: bool) -> None:
+    from tests.test_structured_outputs import CONSTRAINTS
+
+    # Every third constraint: schemas, regexes and choices, each once.
+    chosen = CONSTRAINTS[::3]
+    conversations = [
+        [
+            {
+                "role": "user",
+                "content": f"{QUESTIONS[i % len(QUESTIONS)]} Answer in the format asked.",
+            }
+        ]
+        for i in range(len(chosen))
+    ]
+    base = {"n": 4, "temperature": 1.0, "seed": 3} if sampled else {"temperature": 0}
+    params = [
+        SamplingParams(**base, max_tokens=96, structured_outputs=constraint)
+        for constraint, _ in chosen
+    ]
+    outputs = llm.chat(conversations, params, use_tqdm=False)
+    stopped = 0
+    for output, (_, check) in zip(outputs, chosen, strict=True):
+        for completion in output.outputs:
+            if completion.finish_reason == "stop":
+                stopped += 1
+                assert check(completion.text), completion.text
+    assert stopped >= 0.8 * sum(len(o.outputs) for o in outputs)

@@ -5,6 +5,7 @@ random model, where only the plumbing is being checked."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -12,6 +13,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -80,3 +82,22 @@ def test_prefix_caching(model: str) -> None:
     hit_rates = re.findall(r"enable_prefix_caching=(\w+)\s*:.* hit rate (\d+)%", out)
     assert [enabled for enabled, _ in hit_rates] == ["True", "False"]
     assert int(hit_rates[0][1]) > 50 and hit_rates[1][1] == "0"
+
+
+def test_structured_dataset_writes_schema_valid_records(model: str, tmp_path: Path) -> None:
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from structured_dataset import SCHEMA
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    output = tmp_path / "records.jsonl"
+    out = run_example(
+        "structured_dataset.py",
+        *("--model", model, "--num-records", "4", "--max-tokens", "96"),
+        *("--max-model-len", "512", "--output", str(output)),
+    )
+    written = int(re.search(r"Wrote (\d+) schema-valid records", out).group(1))
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert len(records) == written >= 1
+    for record in records:
+        jsonschema.validate({k: v for k, v in record.items() if k != "id"}, SCHEMA)

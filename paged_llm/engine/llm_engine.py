@@ -18,6 +18,7 @@ from paged_llm.engine.scheduler import Scheduler, SchedulerConfig
 from paged_llm.engine.sequence import FinishReason, Request, Sequence
 from paged_llm.outputs import RequestOutput
 from paged_llm.sampling_params import SamplingParams
+from paged_llm.structured_outputs.xgrammar_backend import GrammarCompiler, SequenceGrammar
 
 
 def derive_seed(*parts: int) -> int:
@@ -78,6 +79,13 @@ class LLMEngine:
             self.block_manager,
         )
         self.output_processor = OutputProcessor(tokenizer)
+        # On rank 0 only, with the sequences: other ranks never sample. An LLM without a
+        # tokenizer refuses structured outputs up front, so it needs no compiler.
+        self.grammar_compiler = (
+            None
+            if tokenizer is None
+            else GrammarCompiler(tokenizer, config.hf_config.vocab_size, eos_token_ids)
+        )
         self._seq_ids = itertools.count()
         self._num_requests = 0
         self._num_prompt_tokens = 0
@@ -112,8 +120,18 @@ class LLMEngine:
         request = Request(
             request_id, prompt, prompt_token_ids, params, time.time(), bad_words_token_ids
         )
+        compiled = None
+        if params.structured_outputs is not None:
+            assert self.grammar_compiler is not None, "LLM checks for a tokenizer"
+            compiled = self.grammar_compiler.compile(params.structured_outputs)
         request.seqs = [
-            Sequence(next(self._seq_ids), request, derive_seed(base_seed, index), index)
+            Sequence(
+                next(self._seq_ids),
+                request,
+                derive_seed(base_seed, index),
+                index,
+                None if compiled is None else SequenceGrammar(compiled),
+            )
             for index in range(params.n)
         ]
         parent = request.seqs[0]
@@ -178,6 +196,8 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
+        if self.grammar_compiler is not None:
+            self.grammar_compiler.shutdown()
         self.executor.shutdown()
 
 

@@ -32,6 +32,7 @@ from paged_llm.models import get_model_class
 from paged_llm.models.context import ModelContext
 from paged_llm.models.llama import LlamaForCausalLM
 from paged_llm.platforms import DecodeGraphMode
+from paged_llm.structured_outputs.xgrammar_backend import apply_grammar_bitmask, grammar_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -325,8 +326,19 @@ class ModelRunner:
         if sampling_logits is None:
             return output
         logits = sampling_logits.float()
+        bitmask = grammar_bitmask([seq.grammar for seq in sampling_seqs])
+        if bitmask is not None:
+            # NOTE: before the sampler, as vLLM's runner does: its logprobs are then those
+            # of the distribution the grammar leaves. A -inf logit stays -inf under the
+            # sampler's bias, bans and penalties, so the order draws the same tokens as
+            # masking after them would.
+            apply_grammar_bitmask(
+                logits,
+                bitmask,
+                [row for row, seq in enumerate(sampling_seqs) if seq.grammar is not None],
+            )
         metadata = build_sampling_metadata(
-            sampling_seqs, logits.shape[-1], self.eos_token_ids, self.device
+            sampling_seqs, logits.shape[-1], self.eos_token_ids, self.device, bitmask
         )
         sampled = self.sampler(logits, metadata)
         output.sampled_token_ids = sampled.token_ids.tolist()

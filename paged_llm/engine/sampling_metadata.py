@@ -12,6 +12,7 @@ import torch
 from paged_llm.engine.batch import padded_array
 from paged_llm.engine.sequence import Sequence
 from paged_llm.layers.sampler import SamplingMetadata
+from paged_llm.structured_outputs.xgrammar_backend import only_stop_tokens_allowed
 
 
 def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -34,8 +35,15 @@ def _banned_next_tokens(seq: Sequence) -> list[int]:
 
 
 def build_sampling_metadata(
-    seqs: list[Sequence], vocab_size: int, eos_token_ids: frozenset[int], device: torch.device
+    seqs: list[Sequence],
+    vocab_size: int,
+    eos_token_ids: frozenset[int],
+    device: torch.device,
+    grammar_bitmask: torch.Tensor | None = None,
 ) -> SamplingMetadata:
+    """``grammar_bitmask``: the step's structured-output bitmask (`grammar_bitmask`), which
+    the runner applies to the logits; here it only decides whether min_tokens may still
+    hold EOS back."""
     params = [seq.sampling_params for seq in seqs]
     num_rows = len(seqs)
 
@@ -83,7 +91,13 @@ def build_sampling_metadata(
         ban: list[int] = []
         if seq.num_output_tokens < p.min_tokens:
             ban.extend(p.stop_token_ids)
-            if not p.ignore_eos:
+            # NOTE: once the grammar can only end, min_tokens yields to it: banning EOS
+            # too would leave no token to draw.
+            if not p.ignore_eos and not (
+                grammar_bitmask is not None
+                and seq.grammar is not None
+                and only_stop_tokens_allowed(grammar_bitmask[row], eos_token_ids, vocab_size)
+            ):
                 ban.extend(eos_token_ids)
         if seq.request.bad_words_token_ids:
             ban.extend(_banned_next_tokens(seq))

@@ -157,7 +157,10 @@ class Scheduler:
                 continue
             if seq.pending_forks:
                 self._fork(seq)
-            seq.token_ids.append(next(tokens))
+            token = next(tokens)
+            seq.token_ids.append(token)
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
             seq.metrics.last_token_time = now
@@ -186,6 +189,11 @@ class Scheduler:
             if token in params.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
                 return True
+        if seq.grammar is not None and seq.grammar.is_terminated:
+            # The grammar ended on its stop token, also where ignore_eos or min_tokens
+            # kept the EOS check above from ending the sequence.
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, None
+            return True
         if (
             params.max_tokens is not None and num_output >= params.max_tokens
         ) or seq.num_tokens >= self.config.max_model_len:

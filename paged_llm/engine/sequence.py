@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from paged_llm.outputs import RequestMetrics
 from paged_llm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from paged_llm.structured_outputs.xgrammar_backend import SequenceGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -82,6 +86,7 @@ class Sequence:
         "block_hashes",
         "block_table",
         "finish_reason",
+        "grammar",
         "index",
         "logprobs",
         "num_cached_tokens",
@@ -97,7 +102,14 @@ class Sequence:
         "token_ids",
     )
 
-    def __init__(self, seq_id: int, request: Request, seed: int, index: int = 0) -> None:
+    def __init__(
+        self,
+        seq_id: int,
+        request: Request,
+        seed: int,
+        index: int = 0,
+        grammar: SequenceGrammar | None = None,
+    ) -> None:
         self.seq_id = seq_id
         self.request = request
         self.index = index
@@ -115,6 +127,9 @@ class Sequence:
         # Sibling sequences (n > 1) that start once this one has computed the prompt.
         self.pending_forks: list[Sequence] = []
         self.logprobs: list[RawLogprobs] = []
+        # Structured outputs: the matcher of this sequence's own tokens (each of the n
+        # sequences has its own), or None.
+        self.grammar = grammar
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
 

@@ -1,6 +1,7 @@
 """Turns the logits of a batch into tokens (and logprobs), all rows at once.
 
-The order follows vLLM: logprobs of the raw distribution; then allowed / banned tokens and
+The order follows vLLM: logprobs of the raw distribution (for structured outputs, of the
+logits the runner has already masked with the grammar's bitmask); then allowed / banned tokens and
 logit bias; then repetition, frequency and presence penalties; then either argmax
 (greedy rows) or temperature, min-p, top-k and top-p, and a draw.
 

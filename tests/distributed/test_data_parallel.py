@@ -381,3 +381,25 @@ def test_a_replica_that_raises_is_named_and_its_requests_rerun(
         r"unfinished",
         caplog.text,
     )
+
+
+@pytest.mark.slow
+def test_structured_outputs_compile_in_the_replicas_and_match_one_process(
+    dp_llm: LLM, tiny_model_dir: Callable[[str], Path]
+) -> None:
+    from tests.test_structured_outputs import CONSTRAINTS
+
+    chosen = CONSTRAINTS[::4]
+    prompts = [f"Record {i}:" for i in range(len(chosen))]
+    params = [
+        SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=32, structured_outputs=c)
+        for i, (c, _) in enumerate(chosen)
+    ]
+    with LLM(tiny_model_dir("llama"), max_model_len=MAX_MODEL_LEN) as single:
+        expected = single.generate(prompts, params, use_tqdm=False)
+    outputs = dp_llm.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outputs] == [
+        [c.token_ids for c in o.outputs] for o in expected
+    ]
+    for output, (_, check) in zip(outputs, chosen, strict=True):
+        assert all(check(c.text) for c in output.outputs if c.finish_reason == "stop")

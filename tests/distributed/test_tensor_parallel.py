@@ -232,3 +232,27 @@ def test_two_replicas_of_two_ranks_each_match_one_process(
     check_scenario("default", outputs, metrics, expected)
     assert metrics.collective_seconds > 0
     assert child_pids() - before == set()
+
+
+@pytest.mark.slow
+def test_structured_outputs_on_two_ranks_match_one_rank(
+    tiny_model_dir: Callable[[str], Path],
+) -> None:
+    """Rank 0 holds the matchers and masks the logits; the worker only follows."""
+    from tests.test_structured_outputs import CONSTRAINTS
+
+    chosen = CONSTRAINTS[1::4]
+    prompts = [f"Record {i}:" for i in range(len(chosen))]
+    params = [
+        SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=32, structured_outputs=c)
+        for i, (c, _) in enumerate(chosen)
+    ]
+    with LLM(tiny_model_dir("qwen2"), max_model_len=128) as llm:
+        one_rank = [
+            [c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
+    with LLM(tiny_model_dir("qwen2"), max_model_len=128, tensor_parallel_size=TP) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outputs] == one_rank
+    for output, (_, check) in zip(outputs, chosen, strict=True):
+        assert all(check(c.text) for c in output.outputs if c.finish_reason == "stop")
