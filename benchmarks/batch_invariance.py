@@ -41,11 +41,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workload", choices=WORKLOAD_KINDS, default="b")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX")
+    )
     args = parser.parse_args(argv)
 
     model_dir = resolve_model(args.model).path
     workload = build_workload(
-        WorkloadSpec(args.workload, args.num_requests), AutoTokenizer.from_pretrained(model_dir)
+        WorkloadSpec(
+            args.workload,
+            args.num_requests,
+            min_output_len=args.output_len[0],
+            max_output_len=args.output_len[1],
+        ),
+        AutoTokenizer.from_pretrained(model_dir),
     )
     settings = {"max_model_len": workload.max_seq_len}
     engines = {

@@ -5,6 +5,7 @@ the JSON has the keys and sane values the docs rely on."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -299,3 +300,19 @@ def test_decode_step_times_each_batch_size(
         assert step["weight_bytes"] == one["weight_bytes"] > 0
     # Three sequences of the same length hold three times the keys and values of one.
     assert three["kv_bytes"] == 3 * one["kv_bytes"] > 0
+
+
+def test_batch_invariance_benchmark_times_both_engines_and_counts_changed_reruns(
+    tiny_model_dir: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks.batch_invariance import main
+
+    main(
+        ["--model", str(tiny_model_dir("llama")), "--num-requests", "3", "--rounds", "1",
+         "--output-len", "4", "4"]
+    )  # fmt: skip
+    report = capsys.readouterr().out
+    assert "3 requests" in report
+    # The switch's reruns never change; the default's may, on another machine.
+    assert re.search(r"batch_invariant=True +[\d.]+ +[\d.]+ +0 of 3\n", report)
+    assert re.search(r"batch_invariant=True takes [\d.]+x the default's wall time", report)
