@@ -25,6 +25,7 @@ from typing import Any
 from paged_llm.inputs import TokensPrompt
 from paged_llm.outputs import Logprob, RequestOutput
 from paged_llm.sampling_params import SamplingParams
+from paged_llm.structured_outputs import StructuredOutputsParams
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -184,15 +185,10 @@ def _check_body(request: BatchRequest) -> None:
         )
     if body.get("stream"):
         raise BatchLineError("'stream' must be false in a batch file", "stream")
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        # NOTE: json_object and json_schema are structured outputs' to serve; map them to
-        # its SamplingParams once this build has them.
-        raise BatchLineError(
-            f"response_format {response_format!r} needs structured outputs, which are not "
-            'available in this build; only {"type": "text"} is',
-            "response_format",
-        )
+    try:
+        StructuredOutputsParams.from_response_format(body.get("response_format"))
+    except ValueError as error:
+        raise BatchLineError(str(error), "response_format") from None
     if request.is_chat:
         _check_messages(body.get("messages"))
     else:
@@ -308,6 +304,9 @@ def sampling_params(
     if logit_bias is not None:
         fields["logit_bias"] = _logit_bias(logit_bias)
     fields["logprobs"] = num_logprobs(request)
+    fields["structured_outputs"] = StructuredOutputsParams.from_response_format(
+        body.get("response_format")
+    )
     try:
         return replace(defaults, **fields)
     except (TypeError, ValueError) as error:

@@ -189,10 +189,8 @@ def _structured_outputs(record: dict[str, Any]) -> StructuredOutputsParams | Non
     if given is not None and response_format is not None:
         raise ValueError("give 'structured_outputs' or 'response_format', not both")
     if response_format is not None:
-        given = _from_response_format(response_format)
-        if given is None:
-            return None
-    elif given is None:
+        return StructuredOutputsParams.from_response_format(response_format)
+    if given is None:
         return None
     if not isinstance(given, dict):
         raise ValueError(f"'structured_outputs' must be an object, got {type(given).__name__}")
@@ -203,24 +201,6 @@ def _structured_outputs(record: dict[str, Any]) -> StructuredOutputsParams | Non
             f"'structured_outputs' has unknown fields {unknown}; known: {sorted(known)}"
         )
     return StructuredOutputsParams(**given)
-
-
-def _from_response_format(response_format: object) -> dict[str, Any] | None:
-    """StructuredOutputsParams fields for an OpenAI response_format (None for "text")."""
-    kind = response_format.get("type") if isinstance(response_format, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"json_object": True}
-    if kind == "json_schema":
-        assert isinstance(response_format, dict)
-        spec = response_format.get("json_schema")
-        if isinstance(spec, dict) and isinstance(spec.get("schema"), dict):
-            return {"json": spec["schema"]}
-    raise ValueError(
-        '\'response_format\' must be {"type": "json_schema", "json_schema": {"schema": {...}}}, '
-        f'{{"type": "json_object"}} or {{"type": "text"}}, got {response_format!r}'
-    )
 
 
 def recover_output(path: Path) -> set[str | int]:

@@ -9,6 +9,7 @@ import pytest
 
 from paged_llm import batch_api
 from paged_llm.sampling_params import SamplingParams
+from paged_llm.structured_outputs import StructuredOutputsParams
 
 
 def parse(record: object, first_line_of: dict[str, int] | None = None) -> batch_api.BatchRequest:
@@ -62,6 +63,20 @@ def test_body_fields_map_to_sampling_params() -> None:
     assert (params.logprobs, params.top_k) == (4, 5)
 
 
+def test_response_format_becomes_structured_outputs() -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    cases = [
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}, {"json": schema}),
+        ({"type": "json_object"}, {"json_object": True}),
+    ]
+    for response_format, expected in cases:
+        request = parse(chat({"response_format": response_format}))
+        params = batch_api.sampling_params(request, SamplingParams(), None)
+        assert params.structured_outputs == StructuredOutputsParams(**expected)
+    text = parse(chat({"response_format": {"type": "text"}}))
+    assert batch_api.sampling_params(text, SamplingParams(), None).structured_outputs is None
+
+
 def test_lengths_default_to_the_models_then_to_openais() -> None:
     defaults = SamplingParams(temperature=0.7)
     chat_params = batch_api.sampling_params(parse(chat({})), defaults, None)
@@ -94,8 +109,8 @@ def test_completion_prompts_are_text_or_token_ids() -> None:
         (chat({"messages": []}), "'messages' must be a non-empty list", "messages"),
         (chat({"stream": True}), "'stream' must be false", "stream"),
         (
-            chat({"response_format": {"type": "json_object"}}),
-            "needs structured outputs, which are not available in this build",
+            chat({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
+            '\'response_format\' must be {"type": "json_schema"',
             "response_format",
         ),
         (completion({"prompt": ["a", "b"]}), "one prompt per line", "prompt"),

@@ -508,7 +508,7 @@ def test_run_batch_answers_bad_lines_with_400_and_runs_the_rest(
             "schema",
             CHAT_URL,
             messages=hello,
-            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+            response_format={"type": "json_schema", "json_schema": {"name": "x"}},
         ),
         batch_line("long", COMPLETIONS_URL, prompt="word " * 200),
         batch_line("last", COMPLETIONS_URL, prompt="fine", max_tokens=2),
@@ -536,7 +536,7 @@ def test_run_batch_answers_bad_lines_with_400_and_runs_the_rest(
         "line 4:cold": "SamplingParams.temperature must be >= 0",
         "line 5:typo": "unknown body field(s) 'max_tokenz'",
         "line 6:good": "duplicate custom_id 'good' (first seen on line 1)",
-        "line 7:schema": "needs structured outputs, which are not available in this build",
+        "line 7:schema": "'response_format' must be",
         "line 8:long": "max_model_len=128",
     }
     assert sorted(errors) == sorted(expected)
@@ -684,3 +684,26 @@ def test_bad_structured_output_fields_are_bad_lines(
         "in.jsonl:4: give 'structured_outputs' or 'response_format', not both",
     ):
         assert expected in err
+
+
+def test_run_batch_response_format_constrains_the_reply(model: str, tmp_path: Path) -> None:
+    hello = [{"role": "user", "content": "Pick a colour."}]
+    schema = {"enum": ["red", "blue"]}
+    lines = [
+        batch_line(
+            "colour",
+            CHAT_URL,
+            messages=hello,
+            max_tokens=20,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+        )
+    ]
+    source = write_jsonl(tmp_path / "requests.jsonl", lines)
+    output = tmp_path / "results.jsonl"
+    assert main(["run-batch", "-i", str(source), "-o", str(output), *engine_args(model)]) == 0
+    (line,) = read_rows(output)
+    check_batch_line(line)
+    (choice,) = line["response"]["body"]["choices"]
+    assert choice["finish_reason"] == "stop"
+    assert json.loads(choice["message"]["content"]) in ("red", "blue")

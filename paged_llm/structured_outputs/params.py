@@ -50,6 +50,26 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         self.verify()
 
+    @classmethod
+    def from_response_format(cls, response_format: object) -> StructuredOutputsParams | None:
+        """The constraint of an OpenAI ``response_format``: ``{"type": "json_schema",
+        "json_schema": {"schema": {...}}}`` or ``{"type": "json_object"}``; None for
+        ``{"type": "text"}`` (or None). Raises ValueError for anything else."""
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if response_format is None or kind == "text":
+            return None
+        if kind == "json_object":
+            return cls(json_object=True)
+        if kind == "json_schema":
+            assert isinstance(response_format, dict)
+            spec = response_format.get("json_schema")
+            if isinstance(spec, dict) and isinstance(spec.get("schema"), dict):
+                return cls(json=spec["schema"])
+        raise ValueError(
+            '\'response_format\' must be {"type": "json_schema", "json_schema": {"schema": '
+            f'{{...}}}}}}, {{"type": "json_object"}} or {{"type": "text"}}, got {response_format!r}'
+        )
+
     @property
     def kind(self) -> str:
         """The name of the constraint field that is set."""
