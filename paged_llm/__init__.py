@@ -4,13 +4,23 @@ batching, behind vLLM's offline API."""
 from paged_llm.engine_args import EngineArgs
 from paged_llm.inputs import TextPrompt, TokensPrompt
 from paged_llm.llm import LLM
-from paged_llm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from paged_llm.sampling_params import SamplingParams
+from paged_llm.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    CompletionOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+)
+from paged_llm.sampling_params import BeamSearchParams, SamplingParams
 from paged_llm.structured_outputs import StructuredOutputsParams
 
 # As ``from vllm import LLM, SamplingParams, TokensPrompt`` (lm-eval's vLLM wrapper's import).
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "EngineArgs",
     "Logprob",

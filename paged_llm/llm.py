@@ -22,13 +22,14 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from paged_llm.config import EngineConfig, ModelConfig
 from paged_llm.distributed.data_parallel import DataParallelEngine, ReplicasLostError
+from paged_llm.engine.detokenizer import decode
 from paged_llm.engine.llm_engine import EngineMetrics, LLMEngine
 from paged_llm.engine_args import EngineArgs
 from paged_llm.exceptions import VLLMValidationError
 from paged_llm.inputs import PromptType, TokensPrompt
 from paged_llm.model_files import resolve_model
-from paged_llm.outputs import RequestOutput
-from paged_llm.sampling_params import SamplingParams
+from paged_llm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from paged_llm.sampling_params import BeamSearchParams, SamplingParams
 from paged_llm.structured_outputs.xgrammar_backend import build_grammar
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class PreparedRequest:
     request_id: str
     prompt: str | None
     token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams
     bad_words_token_ids: list[list[int]] | None = None
     error: str | None = None
 
@@ -208,6 +209,31 @@ def _run_stream(
                 _log_summary(metrics_before, engine.get_metrics(), time.perf_counter() - started)
     finally:
         lock.release()
+
+
+def _prompt_list(prompts: PromptType | SequenceABC[PromptType]) -> list[Any]:
+    """One prompt or a list of them, as a list."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+        raise ValueError(
+            "prompts must be a str, a {'prompt': ...} or {'prompt_token_ids': [...]} dict, "
+            f"or a list of them, got {type(prompts).__name__}" + _BYTES_HINT.get(type(prompts), ".")
+        )
+    return list(prompts)
+
+
+def _collect(stream: GenerationStream, first_index: int = 0) -> list[RequestOutput]:
+    """Every output of a stream, in input order (its requests' indices start at
+    ``first_index``)."""
+    results: list[RequestOutput | None] = [None] * stream.num_requests
+    try:
+        for index, output in stream:
+            results[index - first_index] = output
+    finally:
+        stream.close()
+    assert all(result is not None for result in results)
+    return results  # type: ignore[return-value]
 
 
 def _progress_bar(use_tqdm: bool | Callable[..., tqdm], total: int) -> tqdm:
@@ -376,14 +402,7 @@ class LLM:
             priority=priority,
             tokenization_kwargs=tokenization_kwargs,
         )
-        results: list[RequestOutput | None] = [None] * stream.num_requests
-        try:
-            for index, output in stream:
-                results[index] = output
-        finally:
-            stream.close()
-        assert all(result is not None for result in results)
-        return results  # type: ignore[return-value]
+        return _collect(stream)
 
     def generate_stream(
         self,
@@ -412,8 +431,14 @@ class LLM:
                 f"{type(tokenization_kwargs).__name__}."
             )
         skip = on_error == "skip"
+        prompt_list = _prompt_list(prompts)
         prepared = self._prepare(
-            prompts, sampling_params, skip, priority, tokenization_kwargs or {}
+            prompt_list,
+            self._params_per_prompt(sampling_params, len(prompt_list)),
+            self._validate_request,
+            skip,
+            priority,
+            tokenization_kwargs or {},
         )
         return GenerationStream(
             engine,
@@ -424,25 +449,127 @@ class LLM:
             log_stats=not self.args.disable_log_stats,
         )
 
-    def _prepare(
+    def beam_search(
         self,
         prompts: PromptType | SequenceABC[PromptType],
-        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None,
+        params: BeamSearchParams,
+        lora_request: None = None,
+        use_tqdm: bool | Callable[..., tqdm] = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam-search every prompt (vLLM's ``LLM.beam_search``); one `BeamSearchOutput`
+        per prompt, in input order, with the ``beam_width`` best sequences, best first.
+
+        The search runs inside the engine: the beams of a prompt share its KV blocks and
+        their common prefix, one forward pass scores every beam of every prompt, and pruned
+        beams free their blocks at once. It follows vLLM's rules (see docs/usage.md, "Beam
+        search").
+
+        Args:
+            prompts: Prompts as `generate` takes them.
+            params: The search's parameters, for every prompt.
+            lora_request: vLLM's LoRA adapter; only None (no LoRA here).
+            use_tqdm: Show a progress bar (of sequences returned); a callable replaces
+                ``tqdm.auto.tqdm``.
+            concurrency_limit: Search at most this many prompts at a time (None: all at
+                once, within ``max_num_seqs`` and the KV cache).
+
+        Every request is validated before any work starts; a bad one raises ValueError
+        naming its index.
+        """
+        engine = self._live_engine()
+        _check_no_lora(lora_request)
+        if not isinstance(params, BeamSearchParams):
+            raise VLLMValidationError(
+                f"params must be a BeamSearchParams, got {type(params).__name__}; build it "
+                "with BeamSearchParams(beam_width=..., max_tokens=...).",
+                parameter="params",
+            )
+        params.verify()
+        if self.tokenizer is None:
+            raise VLLMValidationError(
+                "Beam search decodes the text of its sequences, and this LLM was built with "
+                "skip_tokenizer_init=True; build it with a tokenizer.",
+                parameter="skip_tokenizer_init",
+            )
+        if params.beam_width > self.config.max_num_seqs:
+            raise VLLMValidationError(
+                f"BeamSearchParams.beam_width={params.beam_width} exceeds max_num_seqs="
+                f"{self.config.max_num_seqs}; the beams of a prompt run together. Lower "
+                "beam_width or raise max_num_seqs.",
+                parameter="beam_width",
+                value=params.beam_width,
+            )
+        if 2 * params.beam_width > self.vocab_size:
+            raise VLLMValidationError(
+                f"BeamSearchParams.beam_width={params.beam_width} needs 2 * beam_width "
+                f"candidate tokens per beam, more than the vocabulary's {self.vocab_size}.",
+                parameter="beam_width",
+                value=params.beam_width,
+            )
+        if concurrency_limit is not None and not (
+            isinstance(concurrency_limit, int) and concurrency_limit >= 1
+        ):
+            raise ValueError(
+                f"concurrency_limit must be None or an integer >= 1, got {concurrency_limit!r}."
+            )
+        prompt_list = _prompt_list(prompts)
+        prepared = self._prepare(
+            prompt_list,
+            [params] * len(prompt_list),
+            lambda index, token_ids, _: self._check_prompt(index, token_ids),
+            False,
+            None,
+            {},
+        )
+        group = concurrency_limit or max(len(prepared), 1)
+        outputs = []
+        for start in range(0, len(prepared), group):
+            stream = GenerationStream(
+                engine,
+                prepared[start : start + group],
+                use_tqdm,
+                lock=self._generation_lock,
+                log_stats=not self.args.disable_log_stats,
+            )
+            outputs += _collect(stream, first_index=start)
+        return [self._beam_search_output(output, params) for output in outputs]
+
+    def _beam_search_output(
+        self, output: RequestOutput, params: BeamSearchParams
+    ) -> BeamSearchOutput:
+        """vLLM's form of an engine's beam search result: whole sequences, decoded."""
+        sequences = []
+        for beam in output.outputs:
+            tokens = output.prompt_token_ids + beam.token_ids
+            ended_by_eos = beam.finish_reason == "stop"
+            text_tokens = (
+                tokens[:-1] if ended_by_eos and not params.include_stop_str_in_output else tokens
+            )
+            assert beam.cumulative_logprob is not None and beam.logprobs is not None
+            sequences.append(
+                BeamSearchSequence(
+                    tokens=tokens,
+                    logprobs=beam.logprobs,
+                    cum_logprob=beam.cumulative_logprob,
+                    text=decode(self.get_tokenizer(), text_tokens),
+                    finish_reason=beam.finish_reason,
+                    stop_reason=beam.stop_reason,
+                )
+            )
+        return BeamSearchOutput(sequences=sequences)
+
+    def _prepare(
+        self,
+        prompt_list: list[Any],
+        params_list: SequenceABC[SamplingParams | BeamSearchParams],
+        validate: Callable[[int, list[int], Any], None],
         skip_invalid: bool,
         priority: list[int] | None,
         tokenization_kwargs: dict[str, Any],
     ) -> list[PreparedRequest]:
-        if isinstance(prompts, (str, dict)):
-            prompt_list: list[Any] = [prompts]
-        elif isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
-            raise ValueError(
-                "prompts must be a str, a {'prompt': ...} or {'prompt_token_ids': [...]} dict, "
-                f"or a list of them, got {type(prompts).__name__}"
-                + _BYTES_HINT.get(type(prompts), ".")
-            )
-        else:
-            prompt_list = list(prompts)
-        params_list = self._params_per_prompt(sampling_params, len(prompt_list))
+        """Tokenize and validate each prompt with its params; ``validate(index, token_ids,
+        params)`` raises ValueError for a request that cannot run."""
         priorities = _priorities(priority, len(prompt_list))
         texts = {
             index: text
@@ -487,8 +614,9 @@ class LLM:
                         parameter="priority",
                         value=priorities[index],
                     )
-                self._validate_request(index, token_ids, params)
-                request.bad_words_token_ids = self._bad_words_token_ids(index, params)
+                validate(index, token_ids, params)
+                if isinstance(params, SamplingParams):
+                    request.bad_words_token_ids = self._bad_words_token_ids(index, params)
             except ValueError as error:
                 if not skip_invalid:
                     raise
@@ -669,31 +797,7 @@ class LLM:
                 f"{type(params).__name__}.",
                 parameter="sampling_params",
             )
-        max_model_len = self.config.max_model_len
-        if not token_ids:
-            raise VLLMValidationError(
-                f"Request {index}: the prompt is empty (0 tokens); every request needs at "
-                "least one prompt token.",
-                parameter="prompt",
-            )
-        if len(token_ids) + 1 > max_model_len:
-            raise VLLMValidationError(
-                f"Request {index}: the prompt has {len(token_ids)} tokens, but "
-                f"max_model_len={max_model_len} leaves room for at most {max_model_len - 1} "
-                "prompt tokens plus 1 generated token. Shorten the prompt, or raise "
-                "max_model_len (up to the model's max_position_embeddings="
-                f"{self.config.hf_config.max_position_embeddings}).",
-                parameter="prompt",
-                value=len(token_ids),
-            )
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise VLLMValidationError(
-                f"Request {index}: prompt token id {bad} is outside the vocabulary "
-                f"[0, {self.vocab_size}).",
-                parameter="prompt_token_ids",
-                value=bad,
-            )
+        self._check_prompt(index, token_ids)
         try:
             params.verify()
             if params.structured_outputs is not None:
@@ -737,6 +841,35 @@ class LLM:
                 value=bad,
             )
         self._check_logprobs(index, params)
+
+    def _check_prompt(self, index: int, token_ids: list[int]) -> None:
+        """A prompt runs when it has at least one token, leaves room for one generated token
+        within max_model_len, and names only ids of the vocabulary."""
+        max_model_len = self.config.max_model_len
+        if not token_ids:
+            raise VLLMValidationError(
+                f"Request {index}: the prompt is empty (0 tokens); every request needs at "
+                "least one prompt token.",
+                parameter="prompt",
+            )
+        if len(token_ids) + 1 > max_model_len:
+            raise VLLMValidationError(
+                f"Request {index}: the prompt has {len(token_ids)} tokens, but "
+                f"max_model_len={max_model_len} leaves room for at most {max_model_len - 1} "
+                "prompt tokens plus 1 generated token. Shorten the prompt, or raise "
+                "max_model_len (up to the model's max_position_embeddings="
+                f"{self.config.hf_config.max_position_embeddings}).",
+                parameter="prompt",
+                value=len(token_ids),
+            )
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise VLLMValidationError(
+                f"Request {index}: prompt token id {bad} is outside the vocabulary "
+                f"[0, {self.vocab_size}).",
+                parameter="prompt_token_ids",
+                value=bad,
+            )
 
     def _check_logprobs(self, index: int, params: SamplingParams) -> None:
         """vLLM's cap: -1 asks for the whole vocabulary, allowed only with max_logprobs=-1;

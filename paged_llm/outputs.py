@@ -122,3 +122,31 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     prompt_logprobs: PromptLogprobs | None = None
     error: str | None = None
+
+
+@dataclass
+class BeamSearchSequence:
+    """One sequence found by `LLM.beam_search`, with the fields of vLLM's.
+
+    ``tokens`` holds the prompt and the generated tokens (an EOS that ended the beam
+    included); ``logprobs`` one dict per generated token, over the candidates the beam's
+    step scored; ``cum_logprob`` the sum of the generated tokens' logprobs; ``text`` the
+    decoded ``tokens``, prompt included, the ending EOS left out unless
+    ``include_stop_str_in_output``. ``finish_reason`` is "stop" for a beam that ended with
+    EOS (``stop_reason`` is then that token id) and "length" for one that ran to
+    ``max_tokens`` or ``max_model_len``.
+    """
+
+    tokens: list[int]
+    logprobs: SampleLogprobs
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The ``beam_width`` best sequences of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]

@@ -274,10 +274,73 @@ class SamplingParams:
         return ids
 
 
-def _check(ok: bool, name: str, value: object, allowed: str) -> None:
+def _check(ok: bool, name: str, value: object, allowed: str, owner: str = "SamplingParams") -> None:
     if not ok:
         raise VLLMValidationError(
-            f"SamplingParams.{name} must be {allowed}, got {value!r}.", parameter=name, value=value
+            f"{owner}.{name} must be {allowed}, got {value!r}.", parameter=name, value=value
+        )
+
+
+@dataclass
+class BeamSearchParams:
+    """How to beam-search the completions of one prompt (`LLM.beam_search`).
+
+    Every field keeps the name, default and meaning of ``vllm.BeamSearchParams``; the
+    search itself is described in docs/usage.md ("Beam search").
+
+    Args:
+        beam_width: Beams kept after every step, and sequences returned per prompt.
+        max_tokens: Most tokens generated per beam (fewer where ``max_model_len`` ends the
+            sequence first).
+        ignore_eos: Treat EOS as an ordinary token: no beam completes before
+            ``max_tokens``.
+        temperature: 0 makes each beam offer its ``2 * beam_width`` most likely next
+            tokens; above 0 one token drawn at this temperature joins them. Scores are
+            always of the model's unscaled distribution.
+        length_penalty: Exponent of the length in a beam's score,
+            ``cum_logprob / len ** length_penalty``: larger values favour longer
+            sequences, 0 ranks by ``cum_logprob`` alone.
+        include_stop_str_in_output: Keep the text of the EOS token at the end of the
+            ``text`` of a beam that ended with it.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.verify()
+
+    @property
+    def n(self) -> int:
+        """Sequences returned per prompt (the name `SamplingParams` gives that number)."""
+        return self.beam_width
+
+    def verify(self) -> None:
+        """Raise ValueError naming the first field whose value is out of range."""
+        owner = "BeamSearchParams"
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 1, name, value, "an integer >= 1", owner)
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), name, value, "a bool", owner)
+        _check(
+            _is_finite(self.temperature) and self.temperature >= 0.0,
+            "temperature",
+            self.temperature,
+            "a finite number >= 0",
+            owner,
+        )
+        _check(
+            _is_finite(self.length_penalty),
+            "length_penalty",
+            self.length_penalty,
+            "a finite number",
+            owner,
         )
 
 

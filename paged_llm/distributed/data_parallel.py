@@ -42,9 +42,10 @@ from typing import Any, Protocol
 import torch
 import torch.multiprocessing
 
-from paged_llm.engine.llm_engine import EngineMetrics, derive_seed
+from paged_llm.engine.llm_engine import EngineMetrics
+from paged_llm.engine.sequence import derive_seed
 from paged_llm.outputs import RequestOutput
-from paged_llm.sampling_params import SamplingParams
+from paged_llm.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class ReplicaEngine(Protocol):
         request_id: str,
         prompt: str | None,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         bad_words_token_ids: list[list[int]] | None = None,
     ) -> object: ...
 
@@ -92,7 +93,7 @@ class ReplicaRequest:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams
     bad_words_token_ids: list[list[int]] | None
     cost: int
 
@@ -114,23 +115,29 @@ class ReplicaFailure:
 # ----- assignment (pure) ------------------------------------------------------------------
 
 
-def request_cost(num_prompt_tokens: int, params: SamplingParams, max_model_len: int) -> int:
+def request_cost(
+    num_prompt_tokens: int, params: SamplingParams | BeamSearchParams, max_model_len: int
+) -> int:
     """Tokens a request makes its replica process: the prompt, and up to ``max_tokens`` for
-    each of its ``n`` sequences (``max_tokens=None`` runs up to ``max_model_len``)."""
+    each of its ``n`` sequences or beams (``max_tokens=None`` runs up to
+    ``max_model_len``)."""
     max_tokens = params.max_tokens
     if max_tokens is None:
         max_tokens = max_model_len - num_prompt_tokens
     return num_prompt_tokens + max_tokens * params.n
 
 
-def resolve_seed(params: SamplingParams, engine_seed: int, serial: int) -> SamplingParams:
+def resolve_seed(
+    params: SamplingParams | BeamSearchParams, engine_seed: int, serial: int
+) -> SamplingParams | BeamSearchParams:
     """``params`` with the base seed that a single `LLMEngine` seeded ``engine_seed`` draws
     for its arrival number ``serial``, when the request has no seed of its own. Fixed by the
     front, it makes a request's tokens independent of which replica runs it and of that
     replica's own arrival count."""
     # NOTE: LLMEngine.add_request's formula; a replica then derives each sequence's seed
-    # from this base exactly as a single engine does.
-    if params.seed is not None:
+    # from this base exactly as a single engine does. A beam search has no seed to fix (as
+    # in vLLM): its draws above temperature 0 follow the replica's own arrival count.
+    if isinstance(params, BeamSearchParams) or params.seed is not None:
         return params
     return replace(params, seed=derive_seed(engine_seed, serial))
 
@@ -437,7 +444,7 @@ class DataParallelEngine:
         request_id: str,
         prompt: str | None,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         bad_words_token_ids: list[list[int]] | None = None,
     ) -> None:
         """Queue a validated request; the next `step` sends it to a replica."""

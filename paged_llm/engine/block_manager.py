@@ -210,11 +210,13 @@ class BlockManager:
         self._num_registered_blocks[seq.seq_id] = num_full
 
     def fork(self, parent: Sequence, child: Sequence) -> int:
-        """Share the parent's full prompt blocks with a sibling; return the tokens shared.
+        """Share the parent's computed full blocks with a child whose tokens extend them
+        (an ``n > 1`` sibling: the same prompt; a beam: the parent's tokens and one more);
+        return the tokens shared.
 
-        The parent's partially filled last prompt block is not shared: the child
-        recomputes those few tokens (and the last prompt token always, for its logits)
-        into a block of its own, so no block ever needs copying.
+        The parent's partially filled last block is not shared: the child recomputes
+        those few tokens (and its last token always, for its logits) into a block of its
+        own, so no block ever needs copying.
         """
         num_shared = min(len(parent.block_table), (child.num_tokens - 1) // self.block_size)
         for block_id in parent.block_table[:num_shared]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import time
 from dataclasses import astuple, dataclass
@@ -11,20 +10,15 @@ from transformers import PreTrainedTokenizerBase
 
 from paged_llm.config import EngineConfig
 from paged_llm.distributed.executor import create_executor
+from paged_llm.engine.beam_search import BeamSearcher
 from paged_llm.engine.block_manager import BlockManager
 from paged_llm.engine.model_runner import ModelRunner
 from paged_llm.engine.output_processor import OutputProcessor
 from paged_llm.engine.scheduler import Scheduler, SchedulerConfig
-from paged_llm.engine.sequence import FinishReason, Request, Sequence
+from paged_llm.engine.sequence import FinishReason, Request, Sequence, derive_seed
 from paged_llm.outputs import RequestOutput
-from paged_llm.sampling_params import SamplingParams
+from paged_llm.sampling_params import BeamSearchParams, SamplingParams
 from paged_llm.structured_outputs.xgrammar_backend import GrammarCompiler, SequenceGrammar
-
-
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed determined by the given integers (stable across runs and platforms)."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 @dataclass(frozen=True)
@@ -87,6 +81,7 @@ class LLMEngine:
             else GrammarCompiler(tokenizer, config.hf_config.vocab_size, eos_token_ids)
         )
         self._seq_ids = itertools.count()
+        self.beam_searcher = BeamSearcher(self.scheduler, eos_token_ids, self._seq_ids)
         self._num_requests = 0
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
@@ -102,10 +97,11 @@ class LLMEngine:
         request_id: str,
         prompt: str | None,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         bad_words_token_ids: list[list[int]] | None = None,
     ) -> Request:
-        """Queue a validated request.
+        """Queue a validated request: a generation, or a beam search (its output lists the
+        beams best first, see `OutputProcessor.make_beam_search_output`).
 
         Sequence i of the request draws from seed (base, i), where base is the request's
         own seed or else the engine seed with the request's arrival number, so that a
@@ -114,6 +110,10 @@ class LLMEngine:
         serial = self._num_requests
         self._num_requests += 1
         self._num_prompt_tokens += len(prompt_token_ids)
+        if isinstance(params, BeamSearchParams):
+            return self.beam_searcher.add_request(
+                request_id, prompt, prompt_token_ids, params, derive_seed(self.config.seed, serial)
+            )
         base_seed = (
             params.seed if params.seed is not None else derive_seed(self.config.seed, serial)
         )
@@ -161,6 +161,7 @@ class LLMEngine:
             for seq, row in zip(sampling_seqs, output.logprobs, strict=True):
                 if row is not None:
                     seq.logprobs.append(row)
+        searched = self.beam_searcher.step(sampling_seqs)
         for seq in sampling_seqs:
             if not seq.sampling_params.stop or seq.finish_reason is FinishReason.STOP:
                 continue
@@ -176,7 +177,7 @@ class LLMEngine:
             self.output_processor.make_output(request)
             for request in _unique_requests(finished)
             if request.is_finished
-        ]
+        ] + [self.output_processor.make_beam_search_output(request) for request in searched]
 
     def abort_all(self) -> None:
         """Drop every unfinished request and release its blocks."""

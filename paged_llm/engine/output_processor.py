@@ -93,6 +93,36 @@ class OutputProcessor:
             entries.setdefault(token_id, Logprob(logprob, top_rank, self._token_text(token_id)))
         return entries
 
+    def make_beam_search_output(self, request: Request) -> RequestOutput:
+        """The output of a finished beam search: one completion per beam of its result,
+        best first (``index`` is the rank), with ``text`` left empty: `LLM.beam_search`
+        decodes each beam, prompt included."""
+        assert request.beam_search is not None and request.beam_search.result is not None
+        beams = request.beam_search.result
+        num_prompt_tokens = len(request.prompt_token_ids)
+        completions = [
+            CompletionOutput(
+                index=rank,
+                text="",
+                token_ids=beam.token_ids[num_prompt_tokens:],
+                cumulative_logprob=beam.cum_logprob,
+                logprobs=[self._logprob_dict(raw) for raw in beam.logprobs],
+                finish_reason=beam.finish_reason.value,
+                stop_reason=beam.stop_reason,
+            )
+            for rank, beam in enumerate(beams)
+        ]
+        request.metrics.num_generation_tokens = max(len(c.token_ids) for c in completions)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            finished=True,
+            num_cached_tokens=request.seqs[0].num_cached_tokens,
+            metrics=request.metrics,
+        )
+
     def make_output(self, request: Request) -> RequestOutput:
         """The output of a request whose sequences have all finished."""
         params = request.sampling_params

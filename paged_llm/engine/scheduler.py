@@ -8,6 +8,12 @@ chunked prefill, leaving it for a later step). When a running
 sequence needs a block and none is free, the most recently admitted running sequence
 is preempted: its blocks are freed and it waits again at the front of the queue,
 keeping its generated tokens, to be recomputed later.
+
+Beams of a beam search run like other sequences, except that their next tokens are picked
+by the beam search (engine/beam_search.py) once all beams of the request are scored. A
+beam scored before its siblings has nothing to compute until then: it is skipped, and if
+it must give up its blocks it is parked (keeping its place in ``max_num_seqs``) rather
+than queued to be recomputed.
 """
 
 from __future__ import annotations
@@ -65,15 +71,29 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         # In admission order: the last one is the most recently admitted.
         self.running: list[Sequence] = []
+        # Scored beams that gave up their blocks, until the beam search moves them on.
+        self.parked: list[Sequence] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.parked)
 
     def schedule(self) -> ScheduledBatch:
+        batch = self._schedule()
+        while not batch.seqs and self.running:
+            # NOTE: only scored beams run (they have nothing to compute), and they hold the
+            # blocks that a sibling in the queue needs: park them, most recent first, until
+            # the queue moves. They keep their scores, so each beam step comes closer.
+            victim = self.running.pop()
+            assert victim.awaits_beam_step, victim
+            self._preempt(victim)
+            batch = self._schedule()
+        return batch
+
+    def _schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         preempted = False
@@ -81,6 +101,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.awaits_beam_step:
+                i += 1
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self.running.pop()
@@ -93,13 +116,14 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        # A sequence with siblings to fork holds their places in max_num_seqs too.
-        num_slots_taken = len(self.running) + sum(len(s.pending_forks) for s in self.running)
+        # A sequence with siblings or beams to fork holds their places in max_num_seqs too.
+        holders = [*self.running, *self.parked]
+        num_slots_taken = len(holders) + sum(s.num_seqs_to_fork for s in holders)
         # NOTE: no admissions in a step that preempted: blocks are short, and a newcomer
         # would only be preempted in turn.
         while not preempted and self.waiting and budget > 0:
             seq = self.waiting[0]
-            num_slots = 1 + len(seq.pending_forks)
+            num_slots = 1 + seq.num_seqs_to_fork
             if num_slots_taken + num_slots > self.config.max_num_seqs:
                 break
             # NOTE: cached blocks have no logits, so a prompt still owing prompt logprobs
@@ -126,9 +150,16 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
-        seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
-        self.waiting.appendleft(seq)
+        # NOTE: a scored beam is parked, not queued: it has nothing to compute until the
+        # beam search gives it (or its forks) a next token; `continue_beam` and `fork`
+        # queue them then.
+        if seq.awaits_beam_step:
+            seq.status = SequenceStatus.PARKED
+            self.parked.append(seq)
+        else:
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
         self.num_preemptions += 1
         if self.num_preemptions == 1 or self.num_preemptions % 100 == 0:
             logger.warning(
@@ -155,9 +186,11 @@ class Scheduler:
             self.block_manager.cache_full_blocks(seq)
             if not sample:
                 continue
+            token = next(tokens)
+            if seq.request.beam_search is not None:
+                continue  # the beam search picks the tokens of every beam at once
             if seq.pending_forks:
                 self._fork(seq)
-            token = next(tokens)
             seq.token_ids.append(token)
             if seq.grammar is not None:
                 seq.grammar.accept(token)
@@ -167,16 +200,33 @@ class Scheduler:
             if self._check_stop(seq):
                 finished.append(seq)
         for seq in finished:
-            self._release(seq)
+            self.release(seq)
         return finished
 
     def _fork(self, parent: Sequence) -> None:
         """Start the parent's siblings on its computed prompt blocks."""
         for child in parent.pending_forks:
+            self.fork(parent, child)
+        parent.pending_forks = []
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start ``child``, whose tokens extend the parent's computed ones, on the parent's
+        full blocks. The fork of a parked beam (it holds no blocks) waits at the front of
+        the queue instead, to be computed from the prefix cache where it can."""
+        if parent.status is SequenceStatus.RUNNING:
             child.num_computed_tokens = self.block_manager.fork(parent, child)
             child.status = SequenceStatus.RUNNING
             self.running.append(child)
-        parent.pending_forks = []
+        else:
+            self.waiting.appendleft(child)
+
+    def continue_beam(self, seq: Sequence) -> None:
+        """A beam got its next token: a running one runs on, a parked one waits at the front
+        of the queue to be computed again."""
+        if seq.status is SequenceStatus.PARKED:
+            self.parked.remove(seq)
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
 
     def _check_stop(self, seq: Sequence) -> bool:
         params = seq.sampling_params
@@ -207,23 +257,28 @@ class Scheduler:
         Safe after an interrupt anywhere in a step: the pool is rebuilt, not freed
         sequence by sequence, so a half-done allocation, fork or free leaks nothing.
         """
-        for seq in [*self.running, *self.waiting]:
+        for seq in [*self.running, *self.waiting, *self.parked]:
             # Siblings not forked yet, or forked by an interrupted `_fork`.
             for member in (seq, *seq.pending_forks):
                 member.block_table.clear()
                 member.status = SequenceStatus.FINISHED
         self.running.clear()
         self.waiting.clear()
+        self.parked.clear()
         self.block_manager.reset()
 
     def stop_at_string(self, seq: Sequence, stop_str: str) -> None:
         """End a running sequence whose text reached one of its stop strings."""
         seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop_str
-        self._release(seq)
+        self.release(seq)
 
-    def _release(self, seq: Sequence) -> None:
-        """Retire a sequence whose finish reason is set: free its blocks, stop running it."""
+    def release(self, seq: Sequence) -> None:
+        """Retire a running sequence whose finish reason is set, or a running or parked beam
+        the beam search is done with: free its blocks at once, stop running it."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.PARKED:
+            self.parked.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.metrics.finished_time = time.time()
         self.block_manager.free(seq)
-        self.running.remove(seq)

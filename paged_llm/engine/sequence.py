@@ -3,18 +3,29 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 from typing import TYPE_CHECKING
 
 from paged_llm.outputs import RequestMetrics
 from paged_llm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from paged_llm.engine.beam_search import BeamSearchState
     from paged_llm.structured_outputs.xgrammar_backend import SequenceGrammar
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed determined by the given integers (stable across runs and platforms)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
+    # A scored beam that gave up its blocks: nothing to compute until the beam search
+    # gives it a next token (`Scheduler.parked`).
+    PARKED = enum.auto()
     FINISHED = enum.auto()
 
 
@@ -29,10 +40,12 @@ RawLogprobs = tuple[list[int], list[float], int]
 
 
 class Request:
-    """One prompt and its ``n`` sequences, which share the prompt's KV blocks."""
+    """One prompt and its ``n`` sequences, which share the prompt's KV blocks; or, for a
+    beam search (``beam_search`` set), its live beams, best first."""
 
     __slots__ = (
         "bad_words_token_ids",
+        "beam_search",
         "metrics",
         "prompt",
         "prompt_logprobs",
@@ -50,12 +63,14 @@ class Request:
         sampling_params: SamplingParams,
         arrival_time: float,
         bad_words_token_ids: list[list[int]] | None = None,
+        beam_search: BeamSearchState | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.bad_words_token_ids = bad_words_token_ids or []
+        self.beam_search = beam_search
         # Shared by the request's sequences: the first token of any of them is the
         # request's first token, the last one to finish finishes the request.
         self.metrics = RequestMetrics(arrival_time=arrival_time)
@@ -160,6 +175,26 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def awaits_beam_step(self) -> bool:
+        """A beam whose last token is scored: it waits, with nothing to compute, until the
+        other beams of its request are scored too and the beam search picks its next
+        tokens (engine/beam_search.py)."""
+        return len(self.logprobs) > self.num_output_tokens
+
+    @property
+    def num_seqs_to_fork(self) -> int:
+        """Sequences this one may still start: its ``n > 1`` siblings not forked yet; for
+        the best beam of a beam search, the beams its request lacks of ``beam_width``
+        (all but one before the first step), so that forks always find a place in
+        ``max_num_seqs``."""
+        state = self.request.beam_search
+        if state is None:
+            return len(self.pending_forks)
+        if state.beams[0].seq is not self:
+            return 0
+        return state.params.beam_width - len(state.beams)
 
     def __repr__(self) -> str:
         return (

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from tqdm import tqdm
 
-from paged_llm import LLM, RequestOutput, SamplingParams
+from paged_llm import LLM, BeamSearchParams, RequestOutput, SamplingParams
 from paged_llm.distributed.data_parallel import (
     DataParallelEngine,
     assign_replicas,
@@ -242,6 +242,23 @@ def test_stream_progress_metrics_and_a_second_generation(dp_llm: LLM) -> None:
     assert run.num_requests == len(prompts)
     assert run.num_generated_tokens == sum(lengths)
     assert run.num_prompt_tokens == 3 * len(prompts)
+
+
+def test_beam_search_matches_one_replica(
+    dp_llm: LLM, tiny_model_dir: Callable[[str], Path]
+) -> None:
+    prompts = [{"prompt_token_ids": [500 + i, 501, 502]} for i in range(4)]
+    params = BeamSearchParams(beam_width=3, max_tokens=5)
+    with LLM(tiny_model_dir("llama"), max_model_len=MAX_MODEL_LEN) as single:
+        expected = single.beam_search(prompts, params)
+    outputs = dp_llm.beam_search(prompts, params)
+    for output, reference in zip(outputs, expected, strict=True):
+        assert [(s.tokens, s.text, s.finish_reason) for s in output.sequences] == [
+            (s.tokens, s.text, s.finish_reason) for s in reference.sequences
+        ]
+        assert [s.cum_logprob for s in output.sequences] == pytest.approx(
+            [s.cum_logprob for s in reference.sequences], abs=1e-4
+        )
 
 
 def test_leaving_a_stream_early_cancels_the_rest(dp_llm: LLM) -> None:

@@ -1,0 +1,280 @@
+"""`LLM.beam_search` on a tiny random model, against a beam search that recomputes every
+beam's whole sequence with transformers (tests/beam_reference.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from paged_llm import LLM, BeamSearchOutput, BeamSearchParams, SamplingParams
+from tests.beam_reference import ReferenceBeam, TopCandidates, reference_beam_search
+
+# NOTE: the tiny model gains nothing from a second thread (see tests/test_cli.py).
+from tests.test_cli import one_thread  # noqa: F401 (an autouse fixture)
+
+MAX_MODEL_LEN = 64
+PROMPTS = ["The lighthouse keeper counted the ships", "Seven small boats"]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir: Callable[[str], Path]) -> transformers.PreTrainedModel:
+    path = tiny_model_dir("llama")
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_top(hf_model: transformers.PreTrainedModel) -> TopCandidates:
+    def top(sequences: list[list[int]], count: int) -> list[list[tuple[int, float]]]:
+        with torch.no_grad():
+            logits = hf_model(torch.tensor(sequences), logits_to_keep=1).logits[:, -1].float()
+        logprobs, token_ids = torch.log_softmax(logits, dim=-1).topk(count)
+        return [
+            list(zip(ids, lps, strict=True))
+            for ids, lps in zip(token_ids.tolist(), logprobs.tolist(), strict=True)
+        ]
+
+    return top
+
+
+@pytest.fixture(scope="module")
+def eos_model_dir(
+    tiny_model_dir: Callable[[str], Path],
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    hf_top: TopCandidates,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Path:
+    """The tiny model with an EOS it emits: the runner-up of the greedy path's third token,
+    so that beams of every width meet it."""
+    prompt = tokenizer(PROMPTS[0])["input_ids"]
+    greedy = BeamSearchParams(beam_width=1, max_tokens=2, ignore_eos=True)
+    (path,) = reference_beam_search(hf_top, prompt, greedy, frozenset(), MAX_MODEL_LEN)
+    (top,) = hf_top([path.tokens], 2)
+    path_dir = tmp_path_factory.mktemp("eos-llama")
+    shutil.copytree(tiny_model_dir("llama"), path_dir, dirs_exist_ok=True)
+    config = json.loads((path_dir / "generation_config.json").read_text())
+    config["eos_token_id"] = top[1][0]
+    (path_dir / "generation_config.json").write_text(json.dumps(config))
+    return path_dir
+
+
+@pytest.fixture(scope="module")
+def llm(eos_model_dir: Path) -> Iterator[LLM]:
+    with LLM(eos_model_dir, max_model_len=MAX_MODEL_LEN) as instance:
+        yield instance
+
+
+def prompt_ids(llm: LLM) -> list[list[int]]:
+    return [llm.tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
+
+
+def check_against_reference(
+    llm: LLM, outputs: list[BeamSearchOutput], params: BeamSearchParams, hf_top: TopCandidates
+) -> None:
+    for prompt, output in zip(prompt_ids(llm), outputs, strict=True):
+        expected = reference_beam_search(
+            hf_top, prompt, params, llm.eos_token_ids, llm.config.max_model_len
+        )
+        got = [
+            ReferenceBeam(seq.tokens, seq.cum_logprob, seq.finish_reason or "")
+            for seq in output.sequences
+        ]
+        assert [(b.tokens, b.finish_reason) for b in got] == [
+            (b.tokens, b.finish_reason) for b in expected
+        ]
+        assert [b.cum_logprob for b in got] == pytest.approx(
+            [b.cum_logprob for b in expected], abs=1e-4
+        )
+
+
+@pytest.mark.parametrize("length_penalty", [0.5, 1.0, 2.0])
+@pytest.mark.parametrize("ignore_eos", [False, True])
+@pytest.mark.parametrize("beam_width", [1, 2, 4])
+def test_beam_search_equals_the_reference(
+    llm: LLM, hf_top: TopCandidates, beam_width: int, ignore_eos: bool, length_penalty: float
+) -> None:
+    params = BeamSearchParams(
+        beam_width=beam_width, max_tokens=6, ignore_eos=ignore_eos, length_penalty=length_penalty
+    )
+    outputs = llm.beam_search(PROMPTS, params)
+    check_against_reference(llm, outputs, params, hf_top)
+    for prompt, output in zip(prompt_ids(llm), outputs, strict=True):
+        assert len(output.sequences) == beam_width
+        for seq in output.sequences:
+            generated = seq.tokens[len(prompt) :]
+            assert seq.tokens[: len(prompt)] == prompt
+            # One dict per generated token, over the 2 * beam_width candidates of its step.
+            assert [len(position) for position in seq.logprobs] == [2 * beam_width] * len(generated)
+            chosen = [
+                position[t].logprob for position, t in zip(seq.logprobs, generated, strict=True)
+            ]
+            assert sum(chosen) == pytest.approx(seq.cum_logprob, abs=1e-5)
+            assert seq.text == llm.tokenizer.decode(
+                seq.tokens[:-1] if seq.finish_reason == "stop" else seq.tokens
+            )
+    assert not llm.engine.has_unfinished()
+
+
+def test_an_eos_ended_beam_completes_and_competes_by_its_length(llm: LLM) -> None:
+    """At length_penalty 0.5 the short beam that ended with EOS (at its third token) beats
+    the full-length ones; at 2 the long ones win."""
+    (eos,) = llm.eos_token_ids - {llm.tokenizer.eos_token_id}
+    params = BeamSearchParams(beam_width=2, max_tokens=6, length_penalty=0.5)
+    (output,) = llm.beam_search(PROMPTS[0], params)
+    best = output.sequences[0]
+    assert (best.finish_reason, best.stop_reason, best.tokens[-1]) == ("stop", eos, eos)
+    assert output.sequences[1].finish_reason == "length"
+    eos_text = llm.tokenizer.decode([eos])
+    assert not best.text.endswith(eos_text)
+    params.include_stop_str_in_output = True
+    (output,) = llm.beam_search(PROMPTS[0], params)
+    assert output.sequences[0].text.endswith(eos_text)
+    (output,) = llm.beam_search(PROMPTS[0], BeamSearchParams(2, 6, length_penalty=2.0))
+    assert [seq.finish_reason for seq in output.sequences] == ["length", "length"]
+
+
+def test_beam_width_one_equals_greedy_generate(llm: LLM) -> None:
+    prompts = [*PROMPTS, {"prompt_token_ids": [7, 8, 9, 10]}]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [out.outputs[0].token_ids for out in llm.generate(prompts, greedy, use_tqdm=False)]
+    outputs = llm.beam_search(prompts, BeamSearchParams(1, 8, ignore_eos=True))
+    prompts_ids = [*prompt_ids(llm), [7, 8, 9, 10]]
+    got = [
+        out.sequences[0].tokens[len(ids) :] for out, ids in zip(outputs, prompts_ids, strict=True)
+    ]
+    assert got == expected
+
+
+def test_all_blocks_are_free_after_a_beam_search(llm: LLM) -> None:
+    block_manager = llm.engine.block_manager
+    llm.beam_search(PROMPTS, BeamSearchParams(beam_width=4, max_tokens=8))
+    assert block_manager.num_free_blocks == block_manager.num_blocks
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        # Blocks of 4 tokens take 2 KiB; 6 of them hold one max_model_len sequence, not the
+        # eight beams of the two prompts: beams are preempted or parked. A token budget of 6
+        # chunks the forks' recomputation.
+        {"kv_cache_memory_bytes": 6 * 2048, "max_num_batched_tokens": 6},
+        {"kv_cache_memory_bytes": 6 * 2048, "enable_prefix_caching": False},
+        # One prompt's beams at a time.
+        {"max_num_seqs": 4, "max_num_batched_tokens": 6},
+    ],
+    ids=["small-cache-and-budget", "small-cache-no-prefix-caching", "four-seqs"],
+)
+def test_memory_pressure_and_batching_change_nothing(
+    eos_model_dir: Path, hf_top: TopCandidates, settings: dict[str, int | bool]
+) -> None:
+    params = BeamSearchParams(beam_width=4, max_tokens=6)
+    with LLM(eos_model_dir, max_model_len=24, block_size=4, **settings) as small:
+        outputs = small.beam_search(PROMPTS, params)
+        check_against_reference(small, outputs, params, hf_top)
+        if "kv_cache_memory_bytes" in settings:
+            assert small.get_metrics().num_preemptions > 0
+        block_manager = small.engine.block_manager
+        assert block_manager.num_free_blocks == block_manager.num_blocks
+
+
+def test_beams_stop_at_max_model_len(llm: LLM, hf_top: TopCandidates) -> None:
+    prompt = list(range(100, 100 + MAX_MODEL_LEN - 3))
+    params = BeamSearchParams(beam_width=2, max_tokens=8, ignore_eos=True)
+    (output,) = llm.beam_search({"prompt_token_ids": prompt}, params)
+    expected = reference_beam_search(hf_top, prompt, params, llm.eos_token_ids, MAX_MODEL_LEN)
+    assert [seq.tokens for seq in output.sequences] == [beam.tokens for beam in expected]
+    assert all(len(seq.tokens) == MAX_MODEL_LEN for seq in output.sequences)
+    assert {seq.finish_reason for seq in output.sequences} == {"length"}
+
+
+def test_a_beam_search_runs_beside_generations_in_one_batch(llm: LLM) -> None:
+    params = BeamSearchParams(beam_width=2, max_tokens=6)
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True, n=2)
+    (expected_beams,) = llm.beam_search(PROMPTS[0], params)
+    (expected_samples,) = llm.generate(PROMPTS[1], sampled, use_tqdm=False)
+    engine = llm.engine
+    ids = prompt_ids(llm)
+    engine.add_request("beams", None, ids[0], params)
+    engine.add_request("samples", None, ids[1], sampled)
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((output.request_id, output) for output in engine.step())
+    beams = outputs["beams"].outputs
+    assert [ids[0] + beam.token_ids for beam in beams] == [
+        seq.tokens for seq in expected_beams.sequences
+    ]
+    assert [c.token_ids for c in outputs["samples"].outputs] == [
+        c.token_ids for c in expected_samples.outputs
+    ]
+
+
+def test_above_temperature_zero_the_drawn_token_joins_the_candidates(llm: LLM) -> None:
+    params = BeamSearchParams(beam_width=2, max_tokens=6, temperature=5.0, ignore_eos=True)
+    outputs = llm.beam_search(PROMPTS, params)
+    widths = set()
+    for prompt, output in zip(prompt_ids(llm), outputs, strict=True):
+        scores = []
+        for seq in output.sequences:
+            generated = seq.tokens[len(prompt) :]
+            widths.update(len(position) for position in seq.logprobs)
+            chosen = [
+                position[t].logprob for position, t in zip(seq.logprobs, generated, strict=True)
+            ]
+            assert sum(chosen) == pytest.approx(seq.cum_logprob, abs=1e-5)
+            scores.append(seq.cum_logprob / len(seq.tokens))
+        assert scores == sorted(scores, reverse=True)
+    # A draw at temperature 5 mostly falls outside the 4 most likely tokens.
+    assert 5 in widths and widths <= {4, 5}
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"beam_width": 0}, r"BeamSearchParams.beam_width must be an integer >= 1, got 0"),
+        ({"beam_width": True}, r"BeamSearchParams.beam_width must be an integer >= 1, got True"),
+        ({"beam_width": 2.0}, r"beam_width must be an integer >= 1, got 2.0"),
+        ({"max_tokens": 0}, r"BeamSearchParams.max_tokens must be an integer >= 1, got 0"),
+        ({"max_tokens": None}, r"BeamSearchParams.max_tokens must be an integer >= 1"),
+        ({"temperature": -0.5}, r"BeamSearchParams.temperature must be a finite number >= 0"),
+        ({"temperature": float("nan")}, r"temperature must be a finite number >= 0, got nan"),
+        ({"length_penalty": float("inf")}, r"length_penalty must be a finite number, got inf"),
+        ({"length_penalty": "1"}, r"length_penalty must be a finite number, got '1'"),
+        ({"ignore_eos": 1}, r"BeamSearchParams.ignore_eos must be a bool, got 1"),
+        ({"include_stop_str_in_output": None}, r"include_stop_str_in_output must be a bool"),
+    ],
+)
+def test_bad_beam_search_params_name_the_field(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        BeamSearchParams(**{"beam_width": 2, "max_tokens": 4, **fields})  # type: ignore[arg-type]
+
+
+def test_bad_beam_search_requests_are_refused_before_any_work(llm: LLM) -> None:
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    too_long = {"prompt_token_ids": [5] * MAX_MODEL_LEN}
+    before = llm.get_metrics()
+    with pytest.raises(
+        ValueError,
+        match=rf"Request 1: the prompt has {MAX_MODEL_LEN} tokens, but max_model_len="
+        rf"{MAX_MODEL_LEN} leaves room for at most {MAX_MODEL_LEN - 1} prompt tokens",
+    ):
+        llm.beam_search(["fine", too_long], params)
+    with pytest.raises(ValueError, match=r"Request 0: the prompt is empty"):
+        llm.beam_search([""], params)
+    with pytest.raises(ValueError, match=r"Request 0: prompt token id 49152 is outside"):
+        llm.beam_search({"prompt_token_ids": [49152]}, params)
+    with pytest.raises(ValueError, match=r"params must be a BeamSearchParams, got SamplingParams"):
+        llm.beam_search("fine", SamplingParams())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"sampling_params must be a SamplingParams, got Beam"):
+        llm.generate(["fine"], [params])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"beam_width=65 exceeds max_num_seqs=64"):
+        llm.beam_search("fine", BeamSearchParams(beam_width=65, max_tokens=4))
+    params.beam_width = 0  # changed after it was checked
+    with pytest.raises(ValueError, match=r"BeamSearchParams.beam_width must be an integer >= 1"):
+        llm.beam_search("fine", params)
+    assert llm.get_metrics().num_requests == before.num_requests
