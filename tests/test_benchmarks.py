@@ -251,6 +251,26 @@ def test_latency_sweep_on_a_random_weight_model(
 
 
 @pytest.mark.slow
+def test_beam_search_benchmark_agrees_with_the_vllm_style_loop(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "beam_search.json"
+    run_module(
+        "benchmarks.beam_search",
+        "--model", str(tiny_model_dir("llama")),
+        "--num-prompts", "3",
+        "--input-len", "8",
+        "--output-len", "5",
+        "--beam-width", "3",
+        "--repeats", "1",
+        "--out", str(out),
+    )  # fmt: skip
+    (repeat,) = json.loads(out.read_text())["repeats"]
+    assert repeat["identical_prompts"] == 3
+    assert min(repeat["engine_seconds"], repeat["loop_seconds"], repeat["greedy_seconds"]) > 0
+
+
+@pytest.mark.slow
 def test_op_profile_lists_operators_by_self_time(
     tiny_model_dir: Callable[[str], Path], tmp_path: Path
 ) -> None:

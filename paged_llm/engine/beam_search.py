@@ -69,6 +69,9 @@ class BeamSearchState:
     result: list[FinishedBeam] | None = None
 
 
+# NOTE: structured outputs would constrain beams here (only the tokens a beam's matcher
+# accepts are candidates) and in `BeamSearcher._fork` (the child gets a copy of its
+# parent's matcher state).
 def _candidates(row: RawLogprobs) -> Iterator[tuple[int, float]]:
     """A beam's next tokens, in vLLM's order: the top tokens by rank, then the sampled
     token where it is not among them."""
@@ -124,7 +127,9 @@ class BeamSearcher:
     def step(self, seqs: list[Sequence]) -> list[Request]:
         """Advance the searches whose beams are all scored now; ``seqs`` are the sequences
         the step scored. Return the requests whose search is over (``result`` set)."""
-        requests = {id(seq.request): seq.request for seq in seqs if seq.request.beam_search}
+        requests = {
+            id(seq.request): seq.request for seq in seqs if seq.request.beam_search is not None
+        }
         finished = []
         for request in requests.values():
             state = request.beam_search
