@@ -57,6 +57,7 @@ def test_chat_reuses_the_history_from_the_prefix_cache(model: str) -> None:
     assert cached[0] == 0 and cached[1] > 0 and cached[2] > cached[1]
 
 
+@pytest.mark.slow
 def test_dataset_generation_kills_and_resumes(model: str, tmp_path: Path) -> None:
     out = run_example(
         "dataset_generation.py",

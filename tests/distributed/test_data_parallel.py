@@ -199,7 +199,13 @@ def test_sampled_tokens_do_not_depend_on_the_number_of_replicas(
 
 @pytest.mark.parametrize(
     ("arch", "group"),
-    [(arch, group) for arch in TINY_MODELS for group in list(SCENARIO_GROUPS)[:2]]
+    # Llama in the default run; every other architecture (8 s each: two replica processes)
+    # in the slow one.
+    [
+        pytest.param(arch, group, marks=() if arch == "llama" else pytest.mark.slow)
+        for arch in TINY_MODELS
+        for group in list(SCENARIO_GROUPS)[:2]
+    ]
     + [("llama", "prefix-hits")],
 )
 def test_greedy_matches_transformers_with_two_replicas(

@@ -46,8 +46,12 @@ def _per_rank(settings: dict, model_dir: Path) -> dict:
 
 @pytest.mark.parametrize(
     ("arch", "group"),
+    # Llama and the one-KV-head model (its head replicated on both ranks) in the default
+    # run; the other architectures (8 s each: two rank processes) in the slow one.
     [
-        (arch, group)
+        pytest.param(
+            arch, group, marks=() if arch in ("llama", "mistral-1kv") else pytest.mark.slow
+        )
         for arch in [*TINY_MODELS, "mistral-1kv"]
         for group in ["default", "chunked-prefill+preemption"]
     ]

@@ -151,12 +151,16 @@ def references(
 @pytest.mark.parametrize(
     ("arch", "scenario", "attention_backend"),
     [(arch, scenario, "torch") for arch in TINY_MODELS for scenario in SCENARIOS]
-    # The Triton kernels, under the (slow) interpreter on CPU: GQA with chunked prefill,
-    # sliding window with prefix hits, head_dim 32 with chunked prefill.
+    # The Triton kernels, under the interpreter on CPU (30-40 s each, so in the slow run;
+    # tests/csrc_triton checks each kernel against torch in the default one): GQA with
+    # chunked prefill, sliding window with prefix hits, head_dim 32 with chunked prefill.
     + [
-        ("llama", "chunked-prefill", "triton"),
-        ("mistral", "prefix-hits", "triton"),
-        ("qwen3", "chunked-prefill", "triton"),
+        pytest.param(arch, scenario, "triton", marks=pytest.mark.slow)
+        for arch, scenario in [
+            ("llama", "chunked-prefill"),
+            ("mistral", "prefix-hits"),
+            ("qwen3", "chunked-prefill"),
+        ]
     ],
 )
 def test_greedy_matches_transformers(
