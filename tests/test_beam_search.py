@@ -278,3 +278,27 @@ def test_bad_beam_search_requests_are_refused_before_any_work(llm: LLM) -> None:
     with pytest.raises(ValueError, match=r"BeamSearchParams.beam_width must be an integer >= 1"):
         llm.beam_search("fine", params)
     assert llm.get_metrics().num_requests == before.num_requests
+
+
+def test_vllm_s_call_forms(llm: LLM, eos_model_dir: Path) -> None:
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    expected = llm.beam_search(PROMPTS, params)
+    text_prompts = [{"prompt": prompt} for prompt in PROMPTS]
+    for outputs in (
+        llm.beam_search(text_prompts, params, None, False, concurrency_limit=1),
+        llm.beam_search(PROMPTS, params, use_tqdm=True, concurrency_limit=5),
+    ):
+        for output, reference in zip(outputs, expected, strict=True):
+            assert [s.tokens for s in output.sequences] == [s.tokens for s in reference.sequences]
+            assert [s.cum_logprob for s in output.sequences] == pytest.approx(
+                [s.cum_logprob for s in reference.sequences], abs=1e-4
+            )
+    with pytest.raises(ValueError, match=r"lora_request is not supported"):
+        llm.beam_search(PROMPTS, params, lora_request=object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"concurrency_limit must be None or an integer >= 1"):
+        llm.beam_search(PROMPTS, params, concurrency_limit=0)
+    with (
+        LLM(eos_model_dir, max_model_len=MAX_MODEL_LEN, skip_tokenizer_init=True) as bare,
+        pytest.raises(ValueError, match=r"Beam search decodes .* skip_tokenizer_init=True"),
+    ):
+        bare.beam_search({"prompt_token_ids": [5, 6, 7]}, params)

@@ -69,16 +69,18 @@ class BeamSearchState:
     result: list[FinishedBeam] | None = None
 
 
-# NOTE: structured outputs would constrain beams here (only the tokens a beam's matcher
-# accepts are candidates) and in `BeamSearcher._fork` (the child gets a copy of its
-# parent's matcher state).
+# NOTE: structured outputs do not constrain beams yet. They would come in three places:
+# each beam a `SequenceGrammar` (the runner then masks its logits, so these candidates are
+# the grammar's), the chosen token accepted into it in `BeamSearcher._advance`, and a fork
+# given a copy of its parent's matcher state in `BeamSearcher._fork`.
 def _candidates(row: RawLogprobs) -> Iterator[tuple[int, float]]:
-    """A beam's next tokens, in vLLM's order: the top tokens by rank, then the sampled
-    token where it is not among them."""
+    """A beam's next tokens, in the order of vLLM's logprobs dict: the sampled token, then
+    the top tokens by rank (each once)."""
     token_ids, logprobs, _ = row
-    yield from zip(token_ids[1:], logprobs[1:], strict=True)
-    if token_ids[0] not in token_ids[1:]:
-        yield token_ids[0], logprobs[0]
+    yield token_ids[0], logprobs[0]
+    for token_id, logprob in zip(token_ids[1:], logprobs[1:], strict=True):
+        if token_id != token_ids[0]:
+            yield token_id, logprob
 
 
 class BeamSearcher:
