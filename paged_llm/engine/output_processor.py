@@ -6,7 +6,7 @@ from transformers import PreTrainedTokenizerBase
 
 from paged_llm.engine.detokenizer import IncrementalDetokenizer, decode, find_stop_string
 from paged_llm.engine.sequence import FinishReason, RawLogprobs, Request, Sequence
-from paged_llm.outputs import CompletionOutput, Logprob, RequestOutput
+from paged_llm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 
 
 class OutputProcessor:
@@ -113,15 +113,7 @@ class OutputProcessor:
             for rank, beam in enumerate(beams)
         ]
         request.metrics.num_generation_tokens = max(len(c.token_ids) for c in completions)
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=completions,
-            finished=True,
-            num_cached_tokens=request.seqs[0].num_cached_tokens,
-            metrics=request.metrics,
-        )
+        return _finished_output(request, completions)
 
     def make_output(self, request: Request) -> RequestOutput:
         """The output of a request whose sequences have all finished."""
@@ -148,13 +140,22 @@ class OutputProcessor:
         prompt_logprobs = None
         if params.prompt_logprobs is not None:
             prompt_logprobs = [None] + [self._logprob_dict(raw) for raw in request.prompt_logprobs]
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=completions,
-            finished=True,
-            num_cached_tokens=request.seqs[0].num_cached_tokens,
-            metrics=request.metrics,
-            prompt_logprobs=prompt_logprobs,
-        )
+        return _finished_output(request, completions, prompt_logprobs)
+
+
+def _finished_output(
+    request: Request,
+    completions: list[CompletionOutput],
+    prompt_logprobs: PromptLogprobs | None = None,
+) -> RequestOutput:
+    """The `RequestOutput` of a finished request with these completions."""
+    return RequestOutput(
+        request_id=request.request_id,
+        prompt=request.prompt,
+        prompt_token_ids=request.prompt_token_ids,
+        outputs=completions,
+        finished=True,
+        num_cached_tokens=request.seqs[0].num_cached_tokens,
+        metrics=request.metrics,
+        prompt_logprobs=prompt_logprobs,
+    )
