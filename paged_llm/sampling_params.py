@@ -252,15 +252,7 @@ class SamplingParams:
                 "a non-empty list of token ids",
             )
 
-        _check(
-            self.structured_outputs is None
-            or isinstance(self.structured_outputs, StructuredOutputsParams),
-            "structured_outputs",
-            self.structured_outputs,
-            "a StructuredOutputsParams or None",
-        )
-        if self.structured_outputs is not None:
-            self.structured_outputs.verify()
+        _check_structured_outputs(self.structured_outputs)
 
     def clone(self) -> SamplingParams:
         """A deep copy, to change without touching this one (vLLM's ``clone``)."""
@@ -279,6 +271,18 @@ def _check(ok: bool, name: str, value: object, allowed: str, owner: str = "Sampl
         raise VLLMValidationError(
             f"{owner}.{name} must be {allowed}, got {value!r}.", parameter=name, value=value
         )
+
+
+def _check_structured_outputs(structured_outputs: object, owner: str = "SamplingParams") -> None:
+    _check(
+        structured_outputs is None or isinstance(structured_outputs, StructuredOutputsParams),
+        "structured_outputs",
+        structured_outputs,
+        "a StructuredOutputsParams or None",
+        owner,
+    )
+    if isinstance(structured_outputs, StructuredOutputsParams):
+        structured_outputs.verify()
 
 
 @dataclass
@@ -302,6 +306,11 @@ class BeamSearchParams:
             sequences, 0 ranks by ``cum_logprob`` alone.
         include_stop_str_in_output: Keep the text of the EOS token at the end of the
             ``text`` of a beam that ended with it.
+        structured_outputs: Constrain every beam to a grammar, as
+            `SamplingParams.structured_outputs` does a sample (not a field of vLLM's, whose
+            beam search has no constraints): the candidates are the tokens the grammar
+            allows, scored by the distribution it leaves, and a beam whose grammar is
+            complete ends on EOS also under ``ignore_eos``.
     """
 
     beam_width: int
@@ -310,6 +319,7 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.verify()
@@ -342,6 +352,7 @@ class BeamSearchParams:
             "a finite number",
             owner,
         )
+        _check_structured_outputs(self.structured_outputs, owner)
 
 
 def _is_int(value: object) -> bool:

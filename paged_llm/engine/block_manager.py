@@ -112,6 +112,8 @@ class BlockManager:
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         # seq_id -> how many leading blocks of its table were offered to the prefix cache.
         self._num_registered_blocks: dict[int, int] = {}
+        # (source, destination) blocks that forks copy; see `fork`.
+        self.pending_copies: list[tuple[int, int]] = []
         self.prefix_cache_queried_tokens = 0
         self.prefix_cache_hit_tokens = 0
 
@@ -210,22 +212,37 @@ class BlockManager:
         self._num_registered_blocks[seq.seq_id] = num_full
 
     def fork(self, parent: Sequence, child: Sequence) -> int:
-        """Share the parent's computed full blocks with a child whose tokens extend them
-        (an ``n > 1`` sibling: the same prompt; a beam: the parent's tokens and one more);
-        return the tokens shared.
+        """Start a child whose tokens but its last are the parent's computed ones (an
+        ``n > 1`` sibling: the same prompt; a beam: the parent's tokens and one more) on
+        the parent's cache; return the tokens it starts with computed.
 
-        The parent's partially filled last block is not shared: the child recomputes
-        those few tokens (and its last token always, for its logits) into a block of its
-        own, so no block ever needs copying.
+        It shares the parent's full blocks among those tokens. The parent's partially
+        filled block after them is copied into a free block of the child's own (the copy
+        waits in `pending_copies` for the next forward); with no free block, the child
+        recomputes those tokens instead. Its last token it always computes, for its logits.
         """
-        num_shared = min(len(parent.block_table), (child.num_tokens - 1) // self.block_size)
+        num_tokens = min(parent.num_computed_tokens, child.num_tokens - 1)
+        num_shared = num_tokens // self.block_size
         for block_id in parent.block_table[:num_shared]:
             self.blocks[block_id].ref_count += 1
         child.block_table = parent.block_table[:num_shared]
         # Same tokens, same chain: the child need not hash its prompt again.
         child.block_hashes = parent.block_hashes[:num_shared]
         self._num_registered_blocks[child.seq_id] = num_shared
-        return num_shared * self.block_size
+        if num_tokens % self.block_size == 0 or self.num_free_blocks == 0:
+            return num_shared * self.block_size
+        block = self.free_queue.popleft()
+        self._evict(block)
+        block.ref_count = 1
+        child.block_table.append(block.block_id)
+        self.pending_copies.append((parent.block_table[num_shared], block.block_id))
+        return num_tokens
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies that forks asked for since the last call:
+        the next forward must make them before it writes to the cache."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks; cached ones stay findable until reused."""
@@ -267,3 +284,4 @@ class BlockManager:
         self.cached_blocks = {h: b for h, b in self.cached_blocks.items() if b.block_hash == h}
         self.free_queue = FreeBlockQueue(order)
         self._num_registered_blocks.clear()
+        self.pending_copies = []

@@ -40,6 +40,8 @@ class ScheduledBatch:
     samples: list[bool] = field(default_factory=list)
     # The sequences with samples[i] set, in batch order: one sampled token each.
     sampling_seqs: list[Sequence] = field(default_factory=list)
+    # (source, destination) cache blocks to copy before the forward (`BlockManager.fork`).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         sample = seq.num_computed_tokens + num_tokens == seq.num_tokens
@@ -91,6 +93,7 @@ class Scheduler:
             assert victim.awaits_beam_step, victim
             self._preempt(victim)
             batch = self._schedule()
+        batch.block_copies = self.block_manager.take_pending_copies()
         return batch
 
     def _schedule(self) -> ScheduledBatch:
