@@ -70,7 +70,7 @@ class Engine:
         self.last_batch = ScheduledBatch()
 
     def add(self, prompt: list[int], params: BeamSearchParams) -> Request:
-        request = self.searcher.add_request(str(len(self.requests)), None, prompt, params, 0)
+        request = self.searcher.add_request(str(len(self.requests)), None, prompt, params, 0, None)
         self.requests.append(request)
         return request
 
