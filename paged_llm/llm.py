@@ -817,6 +817,14 @@ class LLM:
         self._check_prompt(index, token_ids)
         try:
             params.verify()
+            if params.prompt_logprobs_start >= len(token_ids):
+                raise VLLMValidationError(
+                    f"prompt_logprobs_start={params.prompt_logprobs_start} is past the "
+                    f"prompt's last position, {len(token_ids) - 1}; score from a position "
+                    "inside the prompt.",
+                    parameter="prompt_logprobs_start",
+                    value=params.prompt_logprobs_start,
+                )
             if params.structured_outputs is not None:
                 self._check_structured_outputs(params.structured_outputs)
         except VLLMValidationError as error:

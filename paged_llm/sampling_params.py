@@ -95,6 +95,11 @@ class SamplingParams:
             generated position (the sampled token is always included); -1 means the
             whole vocabulary.
         prompt_logprobs: Same, for every prompt token.
+        prompt_logprobs_start: Score only the prompt tokens from this position on (not a
+            field of vLLM's): the earlier positions' ``prompt_logprobs`` entries are None,
+            and the prefix cache may serve them, as it cannot serve positions that are
+            scored. lm-eval's loglikelihood scores a continuation after a shared context
+            this way.
         detokenize: Produce ``text``; False returns token ids only (stop strings then
             cannot be used).
         skip_special_tokens: Drop special tokens from the text.
@@ -130,6 +135,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -209,6 +215,14 @@ class SamplingParams:
                 value,
                 "None, an integer >= 0, or -1 for the whole vocabulary",
             )
+        _check(
+            _is_int(self.prompt_logprobs_start)
+            and self.prompt_logprobs_start >= 0
+            and (self.prompt_logprobs is not None or self.prompt_logprobs_start == 0),
+            "prompt_logprobs_start",
+            self.prompt_logprobs_start,
+            "an integer >= 0, and 0 unless prompt_logprobs is set",
+        )
         _check(
             all(isinstance(s, str) and s for s in self.stop),
             "stop",

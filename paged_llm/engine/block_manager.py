@@ -132,14 +132,19 @@ class BlockManager:
             parent = hashes[i - 1] if i else None
             hashes.append(hash_block_tokens(parent, seq.token_ids[i * size : (i + 1) * size]))
 
-    def find_cached_prefix(self, seq: Sequence) -> list[KVCacheBlock]:
-        """The longest run of cached blocks that starts the sequence.
+    def find_cached_prefix(
+        self, seq: Sequence, max_tokens: int | None = None
+    ) -> list[KVCacheBlock]:
+        """The longest run of cached blocks that starts the sequence, within its first
+        ``max_tokens`` tokens where given.
 
         At least one token is left out so there are logits to sample from.
         """
         if not self.enable_prefix_caching:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
+        if max_tokens is not None:
+            max_blocks = min(max_blocks, max_tokens // self.block_size)
         self._update_block_hashes(seq, max_blocks)
         hits: list[KVCacheBlock] = []
         for block_hash in seq.block_hashes[:max_blocks]:
@@ -147,8 +152,6 @@ class BlockManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_cache_queried_tokens += seq.num_tokens
-        self.prefix_cache_hit_tokens += len(hits) * self.block_size
         return hits
 
     def num_blocks_needed(self, num_tokens: int) -> int:
@@ -167,6 +170,7 @@ class BlockManager:
         blocks do not suffice.
         """
         cached_prefix = cached_prefix or []
+        admitted = not seq.block_table
         num_tokens = seq.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
         num_new_blocks = (
             self.num_blocks_needed(num_tokens) - len(seq.block_table) - len(cached_prefix)
@@ -187,6 +191,9 @@ class BlockManager:
             self._evict(block)
             block.ref_count = 1
             seq.block_table.append(block.block_id)
+        if admitted and self.enable_prefix_caching:
+            self.prefix_cache_queried_tokens += seq.num_tokens
+            self.prefix_cache_hit_tokens += len(cached_prefix) * self.block_size
         return True
 
     def _evict(self, block: KVCacheBlock) -> None:
