@@ -320,8 +320,9 @@ class LLM:
         )
         self.engine: LLMEngine | DataParallelEngine | None
         if args.data_parallel_size > 1:
-            # NOTE: a replica loads the resolved directory, which has no revisions.
-            replica_args = replace(args, data_parallel_size=1, revision=None)
+            # NOTE: a replica loads the resolved directory, which has no revisions, and takes
+            # the seed drawn here for seed=None.
+            replica_args = replace(args, data_parallel_size=1, revision=None, seed=self.config.seed)
             self.engine = DataParallelEngine(
                 functools.partial(_replica_engine, model_dir, replica_args),
                 num_replicas=args.data_parallel_size,
