@@ -460,6 +460,18 @@ def test_num_cached_tokens_and_metrics_have_vllms_names(llm: LLM) -> None:
     )
 
 
+def test_vllms_fields_for_absent_features_read_as_empty(llm: LLM) -> None:
+    """The LoRA, encoder-decoder, multimodal and KV-transfer fields scripts print or log."""
+    (output,) = llm.generate("Hi", GREEDY, use_tqdm=False)
+    assert (output.lora_request, output.encoder_prompt, output.encoder_prompt_token_ids) == (
+        None,
+        None,
+        None,
+    )
+    assert (output.multi_modal_placeholders, output.kv_transfer_params) == ({}, None)
+    assert output.outputs[0].lora_request is None
+
+
 def test_validation_errors_are_value_errors_with_vllms_exception_name(llm: LLM) -> None:
     with pytest.raises(VLLMValidationError) as sampling:
         SamplingParams(top_p=2.0)
