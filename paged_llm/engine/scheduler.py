@@ -126,8 +126,10 @@ class Scheduler:
         # Full blocks this step computes, by hash, and the prompts that wait a step because
         # their next uncached block is one of them: next step they find it cached instead of
         # computing it again (the choices of a multiple-choice question, a shared system
-        # prompt). Their order in the queue stays.
+        # prompt, the rest of a long prompt being chunked). Their order in the queue stays.
         in_flight: set[BlockHash] = set()
+        for seq, num_new in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
+            in_flight.update(self._completed_block_hashes(seq, num_new))
         deferred: list[Sequence] = []
         # NOTE: no admissions in a step that preempted: blocks are short, and a newcomer
         # would only be preempted in turn.
@@ -166,11 +168,16 @@ class Scheduler:
             num_slots_taken += num_slots
             batch.add(seq, num_new)
             budget -= num_new
-            in_flight.update(
-                seq.block_hashes[num_hits : (num_cached + num_new) // self.block_manager.block_size]
-            )
+            in_flight.update(self._completed_block_hashes(seq, num_new))
         self.waiting.extendleft(reversed(deferred))
         return batch
+
+    def _completed_block_hashes(self, seq: Sequence, num_new: int) -> list[BlockHash]:
+        """The hashes, where known yet, of the blocks that ``num_new`` more computed tokens
+        fill for ``seq``."""
+        size = self.block_manager.block_size
+        start = seq.num_computed_tokens
+        return seq.block_hashes[start // size : (start + num_new) // size]
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

@@ -108,6 +108,22 @@ def test_a_prompt_waits_a_step_for_the_blocks_another_computes() -> None:
     assert scheduler.block_manager.prefix_cache_hit_tokens == 16
 
 
+def test_a_prompt_waits_for_the_blocks_a_chunked_prefill_computes() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    long = make_seq(list(range(100, 126)), max_tokens=2)  # chunks of 10, 10 and 6 tokens
+    sharer = make_seq([*range(100, 124), 1, 2], max_tokens=2)  # its first six blocks
+    scheduler.add(long)
+    scheduler.add(sharer)
+    while sharer.status is SequenceStatus.WAITING:
+        batch, _ = step(scheduler)
+        assert batch.seqs[0] is long
+    # The last chunk left room in the budget while it filled the sixth block: the sharer
+    # waited for that block too, then took all six from the cache.
+    assert sharer.num_cached_tokens == 24
+    while scheduler.has_unfinished():
+        step(scheduler)
+
+
 def test_preemption_takes_the_most_recently_admitted() -> None:
     # 6 blocks of 4 tokens; three 7-token prompts take 2 blocks each and fill the pool
     # (they are the same prompt: without prefix caching they share nothing).
