@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,10 @@ def run_on_cluster(args: argparse.Namespace) -> int:
             # NOTE: no progress bars in the actors: Ray Data's bar counts the rows.
             actor_args = argparse.Namespace(**{**vars(args), "no_progress": True})
             sink = _JsonLinesSink(str(args.output))
-            map_with_llm(dataset, config, _GenerateRows(actor_args)).write_datasink(sink)
+            map_with_llm(dataset, config, _GenerateRows(actor_args)).write_datasink(
+                sink,
+                ray_remote_args={"num_cpus": 0},  # as reading: see _read
+            )
             print(sink.counts.summary(args.output, 0, time.perf_counter() - started))
     finally:
         ray.shutdown()
@@ -77,48 +81,66 @@ def run_on_cluster(args: argparse.Namespace) -> int:
 
 
 def _read(path: Path) -> ray.data.Dataset:
-    """One row per input line ({"text": line}) for JSONL, one per record for Parquet."""
-    if path.suffix == ".parquet":
-        return ray.data.read_parquet(str(path))
-    return ray.data.read_text(str(path))
+    """One row per input line (``{"text": line}``, blank lines left out) for JSONL, one per
+    record for Parquet.
 
-
-def _input_row(record: Row) -> InputRow:
-    """The single-machine command's row of one input row; ValueError says why it is bad.
-
-    Duplicate ids are found by `_check_rows`, which sees them all.
+    Reading takes no CPU of its own: the engine actors may hold every CPU of a CPU-only
+    cluster, and a read waiting for one would wait for ever.
     """
-    if set(record) == {"text"}:
-        return parse_line(None, record["text"], {})
-    # NOTE: Arrow gives every record every column, null where a record lacks it.
-    return parse_record(
-        None, {key: value for key, value in record.items() if value is not None}, {}
-    )
+    if _is_parquet(path):
+        return ray.data.read_parquet(str(path), num_cpus=0)
+    return ray.data.read_text(str(path), num_cpus=0).filter(_not_blank, num_cpus=0)
 
 
-def _row_problems(batch: pa.Table) -> pa.Table:
-    ids: list[str | None] = []
-    problems: list[str | None] = []
-    for record in batch.to_pylist():
-        if set(record) == {"text"} and not record["text"].strip():
-            continue
-        try:
-            row = _input_row(record)
-        except ValueError as error:
-            ids.append(None)
-            problems.append(f"{error}: {json.dumps(record)[:80]}")
-            continue
-        # As JSON, so that the id 1 and the id "1" stay apart.
-        ids.append(json.dumps(row.id))
-        problems.append(None)
-    return pa.table({"id": pa.array(ids, pa.string()), "problem": pa.array(problems, pa.string())})
+def _is_parquet(path: Path) -> bool:
+    return path.suffix == ".parquet"
+
+
+def _not_blank(line: Row) -> bool:
+    return bool(line["text"].strip())
+
+
+@dataclass(frozen=True)
+class _RowReader:
+    """The single-machine command's rows from the rows Ray Data read from one input."""
+
+    parquet: bool
+
+    def row(self, record: Row) -> InputRow:
+        """ValueError says why the row is bad; duplicate ids are found by `_check_rows`,
+        which sees them all."""
+        if not self.parquet:
+            return parse_line(None, record["text"], {})
+        # NOTE: Arrow gives every record every column, null where a record lacks it.
+        return parse_record(
+            None, {key: value for key, value in record.items() if value is not None}, {}
+        )
+
+    def problems(self, batch: pa.Table) -> pa.Table:
+        """Each row's id (as JSON, so that the id 1 and the id "1" stay apart) or why it is
+        bad."""
+        ids: list[str | None] = []
+        problems: list[str | None] = []
+        for record in batch.to_pylist():
+            try:
+                ids.append(json.dumps(self.row(record).id))
+                problems.append(None)
+            except ValueError as error:
+                ids.append(None)
+                line = json.dumps(record) if self.parquet else record["text"]
+                problems.append(f"{error}: {line[:80]}")
+        return pa.table(
+            {"id": pa.array(ids, pa.string()), "problem": pa.array(problems, pa.string())}
+        )
 
 
 def _check_rows(path: Path, dataset: ray.data.Dataset) -> None:
     """Raise CliError listing every bad row (and duplicate id) of the input."""
     errors: list[str] = []
     seen: set[str] = set()
-    checked = dataset.map_batches(_row_problems, batch_format="pyarrow")
+    reader = _RowReader(_is_parquet(path))
+    # NOTE: no CPU of its own, as reading (see _read): it is fused into the read tasks.
+    checked = dataset.map_batches(reader.problems, batch_format="pyarrow", num_cpus=0)
     for checked_row in checked.iter_rows():
         row_id, problem = checked_row["id"], checked_row["problem"]
         if problem is not None:
@@ -160,13 +182,10 @@ class _GenerateRows:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self._args = args
+        self._reader = _RowReader(_is_parquet(args.input))
 
     def __call__(self, llm: LLM, records: list[Row]) -> list[Row]:
-        rows = [
-            _input_row(record)
-            for record in records
-            if not (set(record) == {"text"} and not record["text"].strip())
-        ]
+        rows = [self._reader.row(record) for record in records]
         collector = _Collector()
         _generate(rows, self._args, llm, list(range(len(rows))), collector)
         return collector.rows
