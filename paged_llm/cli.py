@@ -515,7 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_on_cluster(args)
         rows = read_input(args.input)
-        return _run_job(args, [row.id for row in rows], partial(_generate, rows))
+        return _run_job(args, [row.id for row in rows], partial(generate_rows, rows))
     except CliError as error:
         print(f"paged-llm: error: {error}", file=sys.stderr)
         return 2
@@ -573,8 +573,8 @@ class RowCounts:
 
     def merge(self, other: RowCounts) -> None:
         """Add the counts of another part of the job."""
-        for name in ("num_written", "num_errors", "prompt_tokens", "completion_tokens"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for count in fields(self):
+            setattr(self, count.name, getattr(self, count.name) + getattr(other, count.name))
 
     def summary(self, output: Path, num_skipped: int, seconds: float) -> str:
         return (
@@ -691,13 +691,16 @@ def refusal(output: RequestOutput) -> str | None:
     return None if output.error is None else re.sub(r"^Request \d+: ", "", output.error)
 
 
-def _generate(
+def generate_rows(
     rows: list[InputRow],
     args: argparse.Namespace,
     llm: LLM,
     pending: list[int],
     writer: RowWriter,
 ) -> None:
+    """``paged-llm generate``'s body: the output row of each pending input row, its sampling
+    from the flags and its seed from ``--seed`` and its id, so it is the same row on every
+    machine (the Ray path runs it in each engine actor)."""
     base = llm.get_default_sampling_params()
     if llm.generation_config.get("max_new_tokens") is None:
         base.max_tokens = _DEFAULT_MAX_TOKENS

@@ -30,7 +30,7 @@ from paged_llm.cli import (
     CliError,
     InputRow,
     RowCounts,
-    _generate,
+    generate_rows,
     json_line,
     listed_errors,
     llm_kwargs,
@@ -187,7 +187,7 @@ class _GenerateRows:
     def __call__(self, llm: LLM, records: list[Row]) -> list[Row]:
         rows = [self._reader.row(record) for record in records]
         collector = _Collector()
-        _generate(rows, self._args, llm, list(range(len(rows))), collector)
+        generate_rows(rows, self._args, llm, list(range(len(rows))), collector)
         return collector.rows
 
 
