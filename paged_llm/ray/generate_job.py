@@ -46,7 +46,8 @@ _CLUSTER_FLAGS = ("concurrency", "batch_size", "num_cpus_per_actor", "num_gpus_p
 
 
 def run_on_cluster(args: argparse.Namespace) -> int:
-    """Run ``paged-llm generate`` on the cluster at ``args.ray_address``; the exit code."""
+    """Run ``paged-llm generate`` on the cluster at ``args.ray_address`` (or on the one this
+    process is connected to already); the exit code."""
     if args.resume:
         raise CliError("--resume does not apply with --ray-address; write to a new --output.")
     if args.output.exists() and (args.output.is_file() or any(args.output.iterdir())):
@@ -59,7 +60,11 @@ def run_on_cluster(args: argparse.Namespace) -> int:
         llm_kwargs(args),
         **{name: value for name in _CLUSTER_FLAGS if (value := getattr(args, name)) is not None},
     )
-    ray.init(address=args.ray_address, log_to_driver=args.verbose)
+    # NOTE: a process already connected to a cluster (a notebook, a test) keeps its
+    # connection, and the job runs there.
+    connects = not ray.is_initialized()
+    if connects:
+        ray.init(address=args.ray_address, log_to_driver=args.verbose)
     try:
         ray.data.DataContext.get_current().enable_progress_bars = not args.no_progress
         args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -76,7 +81,8 @@ def run_on_cluster(args: argparse.Namespace) -> int:
             )
             print(sink.counts.summary(args.output, 0, time.perf_counter() - started))
     finally:
-        ray.shutdown()
+        if connects:
+            ray.shutdown()
     return 0
 
 
