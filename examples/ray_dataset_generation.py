@@ -2,7 +2,7 @@
 
 1. Write a JSONL of {id, question} rows.
 2. Read it with Ray Data, answer every question in `--concurrency` engine actors (one `LLM`
-   each, built once), and write the answers as JSONL files, one per block.
+   each, built once), and write the answers as JSONL files (one per Ray Data write task).
 3. Read the answers back: every question is answered exactly once.
 
     ray start --head                                   # on the head node

@@ -461,7 +461,7 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
         "--ray-address",
         help="run on this Ray cluster ('auto': the one `ray start` began on this node); "
         "--input is then JSONL or Parquet (.parquet), --output a folder of JSONL files, one "
-        "per block",
+        "per Ray Data write task",
     )
     cluster.add_argument("--concurrency", type=int, help="engine actors (default: 1)")
     cluster.add_argument("--batch-size", type=int, help="rows per actor call (default: 64)")

@@ -3,7 +3,7 @@
 The input (JSONL, or Parquet with the same columns) is read through Ray Data; every row goes
 through the single-machine command's own row -> request mapping (`paged_llm.cli`), in
 `ProcessorConfig.concurrency` engine actors; the output is a folder of JSONL files, one per
-block, whose rows are the single-machine command's rows.
+write task, whose rows are the single-machine command's rows.
 
 As on one machine, bad input rows (not JSON, no id, a duplicate id, ...) are all listed and
 nothing is generated: a first pass over the input checks every row before any actor starts.
@@ -198,8 +198,8 @@ class _GenerateRows:
 
 
 class _JsonLinesSink(BlockBasedFileDatasink):
-    """Writes each block's ``line`` column as one JSONL file; its write tasks return their
-    `RowCounts`, summed into ``counts`` on the driver."""
+    """Writes the ``line`` column of each write task's blocks as one JSONL file; the write
+    tasks return their `RowCounts`, summed into ``counts`` on the driver."""
 
     def __init__(self, path: str) -> None:
         super().__init__(path, file_format="jsonl")
