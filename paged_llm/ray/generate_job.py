@@ -50,11 +50,6 @@ def run_on_cluster(args: argparse.Namespace) -> int:
     process is connected to already); the exit code."""
     if args.resume:
         raise CliError("--resume does not apply with --ray-address; write to a new --output.")
-    if args.output.exists() and (args.output.is_file() or any(args.output.iterdir())):
-        raise CliError(
-            f"{args.output} already exists and is not an empty folder; with --ray-address, "
-            "--output is a new folder of JSONL files."
-        )
     config = ProcessorConfig(
         args.model,
         llm_kwargs(args),
@@ -69,6 +64,12 @@ def run_on_cluster(args: argparse.Namespace) -> int:
         ray.data.DataContext.get_current().enable_progress_bars = not args.no_progress
         args.output.parent.mkdir(parents=True, exist_ok=True)
         with output_lock(args.output):
+            # NOTE: checked under the lock, as on one machine.
+            if args.output.exists() and (args.output.is_file() or any(args.output.iterdir())):
+                raise CliError(
+                    f"{args.output} already exists and is not an empty folder; with "
+                    "--ray-address, --output is a new folder of JSONL files."
+                )
             dataset = _read(args.input)
             _check_rows(args.input, dataset)
             started = time.perf_counter()

@@ -97,7 +97,7 @@ def test_the_cluster_writes_the_single_machine_rows_from_jsonl_and_parquet(
         assert by_id(written) == expected
 
 
-def test_bad_input_rows_are_all_listed_and_nothing_is_generated(
+def test_bad_input_rows_are_all_listed_and_nothing_is_generated_nor_overwritten(
     ray_address: str, model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     rows = [*input_rows()[:3], "not json\n", {"id": "row-1", "prompt": "again"}, {"prompt": "x"}]
@@ -110,3 +110,13 @@ def test_bad_input_rows_are_all_listed_and_nothing_is_generated(
     for problem in ("not valid JSON", "duplicate id 'row-1'", "missing 'id'"):
         assert problem in stderr
     assert not output.exists()
+
+    # No --resume on a cluster, and no writing into a folder that holds files already.
+    good = write_jsonl(tmp_path / "good.jsonl", input_rows())
+    argv = ["generate", "-i", str(good), "-o", str(output), "--model", model, *FLAGS]
+    assert main([*argv, "--ray-address", ray_address, "--resume"]) == 2
+    assert "--resume does not apply with --ray-address" in capsys.readouterr().err
+    output.mkdir()
+    (output / "earlier.jsonl").write_text("{}\n")
+    assert main([*argv, "--ray-address", ray_address]) == 2
+    assert "already exists and is not an empty folder" in capsys.readouterr().err
