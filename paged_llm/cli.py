@@ -45,12 +45,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from paged_llm import batch_api
 from paged_llm.engine_args import add_cli_arguments, cli_settings
 from paged_llm.inputs import PromptType, TokensPrompt
-from paged_llm.llm import LLM
+from paged_llm.llm import LLM, check_conversation
 from paged_llm.model_files import DEFAULT_MODEL
 from paged_llm.outputs import RequestOutput
 from paged_llm.sampling_params import SamplingParams
@@ -69,9 +69,10 @@ class CliError(Exception):
 
 @dataclass(slots=True)
 class InputRow:
-    """One request of the input file; ``line`` is 1-based."""
+    """One request of the input; ``line`` is 1-based, None where the input was read through
+    Ray Data (which keeps no line numbers; the row's id then tells which it is)."""
 
-    line: int
+    line: int | None
     id: str | int
     # The row's "prompt" text, or its chat "messages" (a row gives exactly one of them).
     prompt: str | list[dict[str, Any]]
@@ -79,6 +80,10 @@ class InputRow:
     error: str | None = None
     # The row's "structured_outputs" or "response_format", or None.
     structured_outputs: StructuredOutputsParams | None = None
+
+    def located(self, message: str) -> str:
+        """``message`` after the row's line number, where that is known."""
+        return message if self.line is None else f"line {self.line}: {message}"
 
 
 def read_input(path: Path) -> list[InputRow]:
@@ -91,20 +96,23 @@ def read_input(path: Path) -> list[InputRow]:
             if not raw.strip():
                 continue
             try:
-                row = _parse_row(line_number, _decode_line(raw), first_line_of)
+                row = parse_line(line_number, _decode_line(raw), first_line_of)
             except ValueError as error:
                 errors.append(f"{path}:{line_number}: {error}")
                 continue
             first_line_of[row.id] = line_number
             rows.append(row)
     if errors:
-        listed = errors[:_MAX_LISTED_ERRORS]
-        if len(errors) > len(listed):
-            listed.append(f"... and {len(errors) - len(listed)} more bad lines")
-        raise CliError(
-            f"{len(errors)} bad line(s) in the input; nothing was generated:\n" + "\n".join(listed)
-        )
+        raise CliError(listed_errors(errors))
     return rows
+
+
+def listed_errors(errors: list[str]) -> str:
+    """The message that refuses an input with these bad lines."""
+    listed = errors[:_MAX_LISTED_ERRORS]
+    if len(errors) > len(listed):
+        listed.append(f"... and {len(errors) - len(listed)} more bad lines")
+    return f"{len(errors)} bad line(s) in the input; nothing was generated:\n" + "\n".join(listed)
 
 
 def _decode_line(raw: bytes) -> str:
@@ -132,11 +140,21 @@ def _lone_surrogate(value: object) -> str | None:
     return None
 
 
-def _parse_row(line_number: int, text: str, first_line_of: dict[str | int, int]) -> InputRow:
+def parse_line(line_number: int | None, text: str, first_line_of: dict[str | int, int]) -> InputRow:
+    """One input line as a row; ValueError says why it is a bad line. ``first_line_of`` maps
+    the ids seen so far to their lines, to refuse a duplicate."""
     try:
         record = json.loads(text)
     except json.JSONDecodeError as error:
         raise ValueError(f"not valid JSON ({error.msg} at column {error.colno})") from None
+    return parse_record(line_number, record, first_line_of)
+
+
+def parse_record(
+    line_number: int | None, record: object, first_line_of: dict[str | int, int]
+) -> InputRow:
+    """One input record (a line's JSON value, or a Parquet row) as a row; ValueError says why
+    it is a bad line."""
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
     if "id" not in record:
@@ -175,9 +193,9 @@ def _parse_row(line_number: int, text: str, first_line_of: dict[str | int, int])
         ("prompt" if messages is None else "messages", row.prompt),
     ):
         if (surrogate := _lone_surrogate(value)) is not None:
-            row.error = (
-                f"line {line_number}: the {field} is not valid Unicode: it has a lone surrogate "
-                f"{surrogate} (half of a UTF-16 pair, e.g. an emoji cut in two)"
+            row.error = row.located(
+                f"the {field} is not valid Unicode: it has a lone surrogate {surrogate} (half "
+                "of a UTF-16 pair, e.g. an emoji cut in two)"
             )
             break
     return row
@@ -374,6 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--ignore-eos", action="store_true", default=None, help="generate past EOS"
     )
     _add_seed_option(sampling)
+    _add_cluster_options(gen)
     _add_output_options(gen)
 
     batch = commands.add_parser(
@@ -433,6 +452,23 @@ def _add_seed_option(group: argparse._ArgumentGroup) -> None:
     )
 
 
+def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
+    # NOTE: unset flags stay None, so that ProcessorConfig keeps its own defaults.
+    cluster = parser.add_argument_group(
+        "cluster (Ray Data, needs the [ray] extra; see ProcessorConfig in docs/scaling.md)"
+    )
+    cluster.add_argument(
+        "--ray-address",
+        help="run on this Ray cluster ('auto': the one `ray start` began on this node); "
+        "--input is then JSONL or Parquet (.parquet), --output a folder of JSONL files, one "
+        "per Ray Data write task",
+    )
+    cluster.add_argument("--concurrency", type=int, help="engine actors (default: 1)")
+    cluster.add_argument("--batch-size", type=int, help="rows per actor call (default: 64)")
+    cluster.add_argument("--num-cpus-per-actor", type=float, help="default: 1")
+    cluster.add_argument("--num-gpus-per-actor", type=float, help="default: 0")
+
+
 def _add_output_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--verbose", "-v", action="store_true", help="log engine details")
@@ -473,8 +509,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_job(
                 args, [request.key for request in requests], partial(_run_batch, requests)
             )
+        if args.ray_address is not None:
+            # NOTE: imported only here: Ray is an optional extra.
+            from paged_llm.ray.generate_job import run_on_cluster
+
+            return run_on_cluster(args)
         rows = read_input(args.input)
-        return _run_job(args, [row.id for row in rows], partial(_generate, rows))
+        return _run_job(args, [row.id for row in rows], partial(generate_rows, rows))
     except CliError as error:
         print(f"paged-llm: error: {error}", file=sys.stderr)
         return 2
@@ -494,14 +535,63 @@ def _eval(argv: list[str]) -> int:
     return lm_eval.main(argv)
 
 
+def json_line(record: dict[str, Any]) -> bytes:
+    """One output row as a UTF-8 JSON line."""
+    try:
+        return (json.dumps(record, ensure_ascii=False) + "\n").encode()
+    except UnicodeEncodeError:  # an id with a lone surrogate: escapes keep it exact
+        return (json.dumps(record) + "\n").encode()
+
+
+class RowWriter(Protocol):
+    """Where a job body puts its output rows: a file here, a Ray Data block on a cluster."""
+
+    def write(
+        self,
+        record: dict[str, Any],
+        *,
+        error: bool,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+    ) -> None: ...
+
+
+@dataclass
+class RowCounts:
+    """What a job wrote, for its summary line."""
+
+    num_written: int = 0
+    num_errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, *, error: bool, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+        self.num_written += 1
+        self.num_errors += error
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
+
+    def merge(self, other: RowCounts) -> None:
+        """Add the counts of another part of the job."""
+        for count in fields(self):
+            setattr(self, count.name, getattr(self, count.name) + getattr(other, count.name))
+
+    def summary(self, output: Path, num_skipped: int, seconds: float) -> str:
+        return (
+            f"Done: {self.num_written} rows written to {output} ({self.num_errors} errors), "
+            f"{num_skipped} skipped as already done; {self.prompt_tokens} prompt + "
+            f"{self.completion_tokens} completion tokens in {seconds:.1f} s "
+            f"({self.completion_tokens / seconds:.1f} output tok/s)."
+        )
+
+
 class OutputWriter:
     """Appends output rows, each flushed and fsynced at once so a crash loses none already
     written, and counts what it wrote for the summary."""
 
     def __init__(self, sink: BinaryIO) -> None:
         self._sink = sink
-        self.num_written = self.num_errors = 0
-        self.prompt_tokens = self.completion_tokens = 0
+        self.counts = RowCounts()
 
     def write(
         self,
@@ -511,21 +601,16 @@ class OutputWriter:
         prompt_tokens: int = 0,
         completion_tokens: int = 0,
     ) -> None:
-        try:
-            line = (json.dumps(record, ensure_ascii=False) + "\n").encode()
-        except UnicodeEncodeError:  # an id with a lone surrogate: escapes keep it exact
-            line = (json.dumps(record) + "\n").encode()
-        self._sink.write(line)
+        self._sink.write(json_line(record))
         self._sink.flush()
         os.fsync(self._sink.fileno())
-        self.num_written += 1
-        self.num_errors += error
-        self.prompt_tokens += prompt_tokens
-        self.completion_tokens += completion_tokens
+        self.counts.add(
+            error=error, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens
+        )
 
 
 # Writes the output rows of the pending input rows (those at the given input positions).
-JobBody = Callable[[argparse.Namespace, LLM, list[int], OutputWriter], None]
+JobBody = Callable[[argparse.Namespace, LLM, list[int], RowWriter], None]
 
 
 def _run_job(args: argparse.Namespace, keys: list[str | int], body: JobBody) -> int:
@@ -558,28 +643,29 @@ def _run_job(args: argparse.Namespace, keys: list[str | int], body: JobBody) -> 
                 body(args, llm, pending, writer)
             except KeyboardInterrupt:
                 print(
-                    f"\nInterrupted after {writer.num_written} rows; rerun with --resume to "
+                    f"\nInterrupted after {writer.counts.num_written} rows; rerun with --resume to "
                     "finish.",
                     file=sys.stderr,
                 )
                 return 130
     seconds = time.perf_counter() - started
-    print(
-        f"Done: {writer.num_written} rows written to {args.output} ({writer.num_errors} "
-        f"errors), {len(keys) - len(pending)} skipped as already done; {writer.prompt_tokens} "
-        f"prompt + {writer.completion_tokens} completion tokens in {seconds:.1f} s "
-        f"({writer.completion_tokens / seconds:.1f} output tok/s)."
-    )
+    print(writer.counts.summary(args.output, len(keys) - len(pending), seconds))
     return 0
 
 
 def _llm_from_args(args: argparse.Namespace) -> LLM:
-    return LLM(args.model, seed=args.seed, **cli_settings(args))
+    return LLM(args.model, **llm_kwargs(args))
 
 
-def _render(llm: LLM, messages: list[dict[str, Any]]) -> TokensPrompt | str:
+def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The `LLM` keyword arguments of a command's flags."""
+    return {"seed": args.seed, **cli_settings(args)}
+
+
+def render_messages(llm: LLM, messages: list[dict[str, Any]]) -> TokensPrompt | str:
     """A chat row's prompt, or why its messages cannot be rendered."""
     try:
+        check_conversation(0, messages)
         return llm.render_chat(messages)
     except Exception as exc:  # a template error names the bad message
         return f"cannot render messages: {exc}"
@@ -596,17 +682,25 @@ def _stream(
     stream = llm.generate_stream(prompts, params, use_tqdm=not args.no_progress, on_error="skip")
     with contextlib.closing(stream):
         for index, output in stream:
-            error = None if output.error is None else re.sub(r"^Request \d+: ", "", output.error)
-            yield index, output, error
+            yield index, output, refusal(output)
 
 
-def _generate(
+def refusal(output: RequestOutput) -> str | None:
+    """Why a request was refused, without LLM's ``Request N:`` prefix (N is its index in one
+    generate call, which the caller's rows do not know), or None."""
+    return None if output.error is None else re.sub(r"^Request \d+: ", "", output.error)
+
+
+def generate_rows(
     rows: list[InputRow],
     args: argparse.Namespace,
     llm: LLM,
     pending: list[int],
-    writer: OutputWriter,
+    writer: RowWriter,
 ) -> None:
+    """``paged-llm generate``'s body: the output row of each pending input row, its sampling
+    from the flags and its seed from ``--seed`` and its id, so it is the same row on every
+    machine (the Ray path runs it in each engine actor)."""
     base = llm.get_default_sampling_params()
     if llm.generation_config.get("max_new_tokens") is None:
         base.max_tokens = _DEFAULT_MAX_TOKENS
@@ -622,11 +716,11 @@ def _generate(
         prompt: PromptType | None = row.prompt if isinstance(row.prompt, str) else None
         error = row.error
         if error is None and not isinstance(row.prompt, str):
-            rendered = _render(llm, row.prompt)
+            rendered = render_messages(llm, row.prompt)
             if isinstance(rendered, dict):
                 prompt = rendered
             else:
-                error = f"line {row.line}: {rendered}"
+                error = row.located(rendered)
         if error is not None or prompt is None:
             writer.write({"id": row.id, "error": error}, error=True)
             continue
@@ -639,7 +733,7 @@ def _generate(
     for index, output, error in _stream(args, llm, prompts, params):
         row = runnable[index]
         if error is not None:
-            writer.write({"id": row.id, "error": f"line {row.line}: {error}"}, error=True)
+            writer.write({"id": row.id, "error": row.located(error)}, error=True)
         else:
             record = _output_record(row.id, output)
             writer.write(
@@ -674,7 +768,7 @@ def _run_batch(
     args: argparse.Namespace,
     llm: LLM,
     pending: list[int],
-    writer: OutputWriter,
+    writer: RowWriter,
 ) -> None:
     defaults = llm.get_default_sampling_params()
     model_max_tokens = llm.generation_config.get("max_new_tokens")
@@ -688,7 +782,7 @@ def _run_batch(
             request_params = batch_api.sampling_params(request, defaults, model_max_tokens)
             prompt: PromptType
             if request.is_chat:
-                rendered = _render(llm, batch_api.chat_messages(request))
+                rendered = render_messages(llm, batch_api.chat_messages(request))
                 if isinstance(rendered, str):
                     raise batch_api.BatchLineError(rendered, "messages")
                 prompt = rendered

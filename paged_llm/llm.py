@@ -661,7 +661,7 @@ class LLM:
         conversations = messages if isinstance(messages[0], list) else [messages]
         prompts = []
         for index, conversation in enumerate(conversations):
-            _check_conversation(index, conversation)
+            check_conversation(index, conversation)
             try:
                 prompts.append(
                     self.render_chat(
@@ -961,7 +961,7 @@ def _text_error(index: int, text: str, what: str = "prompt") -> str | None:
     return None
 
 
-def _check_conversation(index: int, conversation: Any) -> None:
+def check_conversation(index: int, conversation: Any) -> None:
     """A conversation is a list of messages, each a dict with a str role and a str (or
     list of parts) content."""
     if not isinstance(conversation, list) or not conversation:

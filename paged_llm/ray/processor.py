@@ -1,0 +1,233 @@
+"""`ProcessorConfig` and `build_processor`: a Ray Data dataset through one `LLM` per actor."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pyarrow as pa
+import ray.data
+import torch
+
+from paged_llm.cli import refusal, render_messages
+from paged_llm.engine_args import EngineArgs
+from paged_llm.inputs import PromptType, TokensPrompt
+from paged_llm.llm import LLM
+from paged_llm.outputs import RequestOutput
+from paged_llm.sampling_params import SamplingParams
+
+Row = dict[str, Any]
+# What an actor does with one batch of rows, given its LLM: the output rows.
+BatchFn = Callable[[LLM, list[Row]], list[Row]]
+
+# The columns a row gives its prompt in, after preprocess (exactly one of them).
+PROMPT_COLUMNS = ("prompt", "messages", "prompt_token_ids")
+
+
+@dataclass(frozen=True)
+class ProcessorConfig:
+    """How a dataset runs on the cluster (the fields of ``ray.data.llm``'s config that apply).
+
+    Args:
+        model_source: What `LLM` takes as its model: a model directory, a ``.gguf`` file or
+            a hub id in the local cache, reachable at the same path on every node.
+        engine_kwargs: `LLM` keyword arguments (any `EngineArgs` field: ``dtype``,
+            ``max_model_len``, ``tensor_parallel_size``, ...), checked here on the driver.
+        concurrency: How many engine actors (replicas) run, each with its own `LLM`.
+        batch_size: Rows handed to an actor at a time; they run as one `LLM.generate` call,
+            so continuous batching and prefix caching work across them.
+        num_cpus_per_actor: CPUs Ray reserves for each actor; on CPU the actor's torch takes
+            as many threads (at least one).
+        num_gpus_per_actor: GPUs Ray reserves for each actor (0: the actor sees none and
+            runs on CPU); at least ``tensor_parallel_size`` x ``data_parallel_size``.
+    """
+
+    model_source: str
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    concurrency: int = 1
+    batch_size: int = 64
+    num_cpus_per_actor: float = 1
+    num_gpus_per_actor: float = 0
+
+    def __post_init__(self) -> None:
+        for name in ("concurrency", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ProcessorConfig.{name} must be an integer >= 1, got {value!r}.")
+        for name in ("num_cpus_per_actor", "num_gpus_per_actor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"ProcessorConfig.{name} must be a number >= 0, got {value!r}.")
+        # NOTE: on the driver, so that a bad setting fails before any actor starts.
+        args = EngineArgs.from_kwargs(dict(self.engine_kwargs))
+        devices = args.tensor_parallel_size * args.data_parallel_size
+        if 0 < self.num_gpus_per_actor < devices:
+            raise ValueError(
+                f"ProcessorConfig.num_gpus_per_actor={self.num_gpus_per_actor}, but each actor's "
+                f"LLM needs {devices} devices (tensor_parallel_size x data_parallel_size); "
+                f"reserve {devices}."
+            )
+
+
+class _LLMActor:
+    """One Ray Data actor: builds its `LLM` once, then runs batch after batch through it."""
+
+    def __init__(
+        self, model_source: str, engine_kwargs: dict[str, Any], num_threads: int, fn: BatchFn
+    ) -> None:
+        # NOTE: no more threads than the CPUs Ray reserved: the node's other actors use the
+        # rest, and OpenMP threads that wait on each other make every step many times slower.
+        torch.set_num_threads(num_threads)
+        self._llm = LLM(model_source, **engine_kwargs)
+        self._fn = fn
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = self._fn(self._llm, batch.to_pylist())
+        # NOTE: the columns of every row (Table.from_pylist takes the first row's only), in
+        # one table returned whole: a batch whose actor dies is retried on another and
+        # emits nothing twice.
+        columns = dict.fromkeys(column for row in rows for column in row)
+        return pa.table({column: [row.get(column) for row in rows] for column in columns})
+
+
+def map_with_llm(
+    dataset: ray.data.Dataset, config: ProcessorConfig, fn: BatchFn
+) -> ray.data.Dataset:
+    """``fn(llm, rows)`` over every batch of ``dataset``, in a pool of ``config.concurrency``
+    actors that each hold one `LLM`.
+
+    Ray restarts an actor that dies and retries its batch (Ray Data's defaults for actor
+    pools: unlimited restarts and task retries), so every row comes out once.
+    """
+    return dataset.map_batches(
+        _LLMActor,
+        fn_constructor_kwargs={
+            "model_source": config.model_source,
+            "engine_kwargs": config.engine_kwargs,
+            "num_threads": max(1, int(config.num_cpus_per_actor)),
+            "fn": fn,
+        },
+        batch_size=config.batch_size,
+        batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=config.concurrency),
+        num_cpus=config.num_cpus_per_actor,
+        num_gpus=config.num_gpus_per_actor,
+    )
+
+
+@dataclass(frozen=True)
+class Processor:
+    """A dataset in, the generated dataset out (lazily, as Ray Data does): see
+    `build_processor`."""
+
+    config: ProcessorConfig
+    preprocess: Callable[[Row], Row] | None = None
+    postprocess: Callable[[Row], Row] | None = None
+
+    def __call__(self, dataset: ray.data.Dataset) -> ray.data.Dataset:
+        return map_with_llm(dataset, self.config, self._run_batch)
+
+    def _run_batch(self, llm: LLM, rows: list[Row]) -> list[Row]:
+        if self.preprocess is not None:
+            rows = [{**row, **self.preprocess(row)} for row in rows]
+        results: list[Row] = []
+        runnable: list[int] = []
+        prompts: list[PromptType] = []
+        params: list[SamplingParams] = []
+        for index, row in enumerate(rows):
+            request = _request(llm, row)
+            if isinstance(request, str):
+                results.append(_failed(request))
+                continue
+            results.append({})
+            runnable.append(index)
+            prompts.append(request[0])
+            params.append(request[1])
+        if runnable:
+            outputs = llm.generate(prompts, params, use_tqdm=False, on_error="skip")
+            for index, output in zip(runnable, outputs, strict=True):
+                results[index] = _generated(output)
+        done = [{**row, **result} for row, result in zip(rows, results, strict=True)]
+        return done if self.postprocess is None else [self.postprocess(row) for row in done]
+
+
+def build_processor(
+    config: ProcessorConfig,
+    preprocess: Callable[[Row], Row] | None = None,
+    postprocess: Callable[[Row], Row] | None = None,
+) -> Processor:
+    """A processor that generates a completion for every row of a dataset.
+
+    ``preprocess(row)`` gives the request's columns, merged over the row: ``prompt`` (text),
+    ``messages`` (a chat, rendered with the model's template) or ``prompt_token_ids``, and
+    ``sampling_params`` (a dict of `SamplingParams` fields over the model's defaults; a
+    null field is unset, as Arrow fills the fields a row lacks with nulls). The processor
+    adds ``generated_text``, ``generated_token_ids``, ``num_generated_tokens``,
+    ``num_prompt_tokens``, ``finish_reason`` and ``error``, and ``postprocess(row)`` maps
+    the result to the output row; without it, every column comes out.
+
+    A row that cannot run (its prompt longer than ``max_model_len``, invalid sampling
+    params, malformed messages) gets ``error`` set and an empty output; the other rows of
+    its batch, and the job, go on. Exceptions that ``preprocess`` or ``postprocess`` raise
+    fail the job, as in any Ray Data ``map``.
+    """
+    return Processor(config, preprocess, postprocess)
+
+
+def _request(llm: LLM, row: Row) -> tuple[PromptType, SamplingParams] | str:
+    """A row's prompt and sampling params, or why the row cannot run."""
+    given = [column for column in PROMPT_COLUMNS if row.get(column) is not None]
+    if len(given) != 1:
+        return (
+            f"a row needs exactly one of {', '.join(PROMPT_COLUMNS)} after preprocess, got "
+            f"{', '.join(given) if given else 'none'}"
+        )
+    sampling = row.get("sampling_params") or {}
+    if not isinstance(sampling, dict):
+        return f"sampling_params must be a dict of SamplingParams fields, got {sampling!r}"
+    try:
+        params = replace(
+            llm.get_default_sampling_params(),
+            **{name: value for name, value in sampling.items() if value is not None},
+        )
+    except (TypeError, ValueError) as error:
+        return f"invalid sampling_params: {error}"
+    if params.n != 1:
+        return f"sampling_params n={params.n}: a row gets one completion; repeat the row instead"
+    column = given[0]
+    value = row[column]
+    if column == "messages":
+        rendered = render_messages(llm, list(value))
+        return rendered if isinstance(rendered, str) else (rendered, params)
+    if column == "prompt_token_ids":
+        return TokensPrompt(prompt_token_ids=list(value)), params
+    if not isinstance(value, str):
+        return f"prompt must be a str, got {type(value).__name__}"
+    return value, params
+
+
+def _generated(output: RequestOutput) -> Row:
+    error = refusal(output)
+    if error is not None:
+        return _failed(error, len(output.prompt_token_ids))
+    (completion,) = output.outputs
+    return {
+        "generated_text": completion.text,
+        "generated_token_ids": list(completion.token_ids),
+        "num_generated_tokens": len(completion.token_ids),
+        "num_prompt_tokens": len(output.prompt_token_ids),
+        "finish_reason": completion.finish_reason,
+        "error": None,
+    }
+
+
+def _failed(error: str, num_prompt_tokens: int = 0) -> Row:
+    return {
+        "generated_text": "",
+        "generated_token_ids": [],
+        "num_generated_tokens": 0,
+        "num_prompt_tokens": num_prompt_tokens,
+        "finish_reason": None,
+        "error": error,
+    }
