@@ -1,0 +1,165 @@
+"""An fp8 KV cache (``kv_cache_dtype``): its capacity, and greedy tokens equal to those of
+transformers whose attention sees keys and values rounded to fp8 the same way.
+
+fp8 is lossy, so the reference rounds too; how far fp8 moves the model from the float cache
+is measured on the real SmolLM2 (tests/model_files/test_smollm2.py), not on random weights,
+whose keys are large enough to saturate e4m3.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from paged_llm import LLM
+from paged_llm.engine_args import KV_CACHE_DTYPES
+from tests.conftest import hf_greedy
+from tests.models.test_parity import (
+    MAX_TOKENS,
+    SCENARIO_GROUPS,
+    _prompts,
+    _shared_prefix_prompts,
+    check_scenario,
+    generate_greedy,
+    group_settings,
+)
+
+
+def _rounded_kv_sdpa(dtype: torch.dtype) -> Callable[..., Any]:
+    """Transformers' SDPA attention over keys and values rounded to ``dtype`` and back, as
+    paged_llm's cache stores them (scale 1.0, saturating at the largest finite value)."""
+
+    def attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        limit = torch.finfo(dtype).max
+        key, value = (x.clamp(-limit, limit).to(dtype).to(x.dtype) for x in (key, value))
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+    return attention
+
+
+@pytest.fixture(scope="module")
+def fp8_references(
+    tiny_model_dir: Callable[[str], Path], tokenizer: transformers.PreTrainedTokenizerBase
+) -> Callable[[str, str, bool], tuple[list[list[int]], list[list[int]]]]:
+    """``get(arch, kv_cache_dtype, shared_prefix)``: the parity prompts and transformers'
+    greedy tokens for them with keys and values rounded to that fp8 type."""
+    cache: dict[tuple[str, str, bool], tuple[list[list[int]], list[list[int]]]] = {}
+
+    def get(name: str, kv_cache_dtype: str, shared_prefix: bool) -> Any:
+        key = (name, kv_cache_dtype, shared_prefix)
+        if key not in cache:
+            implementation = f"paged_llm_{kv_cache_dtype}"
+            dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+            assert dtype is not None
+            AttentionInterface.register(implementation, _rounded_kv_sdpa(dtype))
+            # NOTE: without a mask function of its own, transformers builds no mask for an
+            # implementation it does not know (no sliding window).
+            ALL_MASK_ATTENTION_FUNCTIONS.register(implementation, sdpa_mask)
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                tiny_model_dir(name), dtype=torch.float32, attn_implementation=implementation
+            ).eval()
+            prompts = _shared_prefix_prompts(tokenizer) if shared_prefix else _prompts(tokenizer)
+            expected = [hf_greedy(model, p, n) for p, n in zip(prompts, MAX_TOKENS, strict=True)]
+            cache[key] = (prompts, expected)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    ("arch", "kv_cache_dtype", "group", "attention_backend"),
+    [
+        ("llama", "fp8", "chunked-prefill+preemption", "torch"),
+        pytest.param("mistral", "fp8_e4m3", "prefix-hits", "torch", marks=pytest.mark.slow),
+        pytest.param("llama3-tied", "fp8_e5m2", "default", "torch", marks=pytest.mark.slow),
+        pytest.param("qwen3", "fp8", "prefix-hits", "torch", marks=pytest.mark.slow),
+        # Under the Triton interpreter on CPU: tens of seconds.
+        pytest.param("llama", "fp8", "prefix-hits", "triton", marks=pytest.mark.slow),
+        pytest.param(
+            "mistral", "fp8_e5m2", "chunked-prefill+preemption", "triton", marks=pytest.mark.slow
+        ),
+    ],
+)
+def test_fp8_greedy_matches_transformers_over_fp8_rounded_kv(
+    arch: str,
+    kv_cache_dtype: str,
+    group: str,
+    attention_backend: str,
+    tiny_model_dir: Callable[[str], Path],
+    fp8_references: Callable[[str, str, bool], tuple[list[list[int]], list[list[int]]]],
+) -> None:
+    """Every query, a fresh prompt's included, attends to K and V as the cache stores them,
+    so chunking, prefix hits and preemption by recompute change no token."""
+    settings, shared_prefix = group_settings(tiny_model_dir(arch), group)
+    if "kv_cache_memory_bytes" in settings:
+        # The same number of blocks (scenario_settings sizes them at 4 bytes an element).
+        settings["kv_cache_memory_bytes"] //= 4
+    prompts, expected = fp8_references(arch, kv_cache_dtype, shared_prefix)
+    with LLM(
+        tiny_model_dir(arch),
+        kv_cache_dtype=kv_cache_dtype,
+        attention_backend=attention_backend,
+        **settings,
+    ) as llm:
+        outputs, metrics = generate_greedy(llm, prompts)
+    for scenario in SCENARIO_GROUPS[group]:
+        check_scenario(scenario, outputs, metrics, expected)
+
+
+def test_the_same_memory_holds_2x_the_tokens_of_bfloat16_and_4x_of_float32_in_fp8(
+    tiny_model_dir: Callable[[str], Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    # The tiny llama: 2 layers x 2 KV heads x head_dim 16, K and V: 128 elements a token.
+    memory = 128 * 4 * 1024
+    capacity = {}
+    for dtype, kv_cache_dtype in [
+        ("float32", "auto"),
+        ("bfloat16", "auto"),
+        ("float32", "fp8"),
+        ("bfloat16", "fp8_e5m2"),
+    ]:
+        with (
+            caplog.at_level(logging.INFO, logger="paged_llm"),
+            LLM(
+                tiny_model_dir("llama"),
+                dtype=dtype,
+                kv_cache_dtype=kv_cache_dtype,
+                kv_cache_memory_bytes=memory,
+                max_model_len=256,
+            ) as llm,
+        ):
+            capacity[dtype, kv_cache_dtype] = llm.get_metrics().kv_cache_capacity_tokens
+    assert capacity == {
+        ("float32", "auto"): 1024,
+        ("bfloat16", "auto"): 2048,
+        ("float32", "fp8"): 4096,
+        ("bfloat16", "fp8_e5m2"): 4096,
+    }
+    assert "(4096 tokens, 0.00 GiB per rank, float8_e4m3fn)" in caplog.text
+    assert "(2048 tokens, 0.00 GiB per rank, bfloat16)" in caplog.text
+
+
+def test_capacity_survives_since_and_kv_cache_dtype_names_are_checked(
+    tiny_model_dir: Callable[[str], Path],
+) -> None:
+    with LLM(tiny_model_dir("llama"), max_model_len=64, kv_cache_memory_bytes=2**19) as llm:
+        before = llm.get_metrics()
+        assert before.since(before).kv_cache_capacity_tokens == 1024
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_e4m3fn'.*'fp8_e5m2'"):
+        LLM(tiny_model_dir("llama"), kv_cache_dtype="fp8_e4m3fn")
