@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -153,6 +154,12 @@ def test_the_same_memory_holds_2x_the_tokens_of_bfloat16_and_4x_of_float32_in_fp
     }
     assert "(4096 tokens, 0.00 GiB per rank, float8_e4m3fn)" in caplog.text
     assert "(2048 tokens, 0.00 GiB per rank, bfloat16)" in caplog.text
+    # The start-up log also says what the weights take: each checkpoint tensor once (the
+    # oneDNN-packed copies replace the dense ones).
+    with safe_open(str(tiny_model_dir("llama") / "model.safetensors"), "pt") as checkpoint:
+        elements = sum(checkpoint.get_tensor(name).numel() for name in checkpoint.keys())  # noqa: SIM118
+    assert f"Weights: {4 * elements / 2**20:.1f} MiB (float32 " in caplog.text
+    assert f"Weights: {2 * elements / 2**20:.1f} MiB (bfloat16 " in caplog.text
 
 
 def test_capacity_survives_since_and_kv_cache_dtype_names_are_checked(

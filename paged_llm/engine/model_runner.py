@@ -27,6 +27,7 @@ from paged_llm.engine.sequence import RawLogprobs, Sequence
 from paged_llm.layers.attention import Attention, get_attention_backend
 from paged_llm.layers.linear import prepack_for_cpu, use_fixed_row_tiles
 from paged_llm.layers.sampler import LogprobsTensors, Sampler, compute_logprobs
+from paged_llm.layers.weights import weight_memory
 from paged_llm.loader import load_weights
 from paged_llm.models import get_model_class
 from paged_llm.models.context import ModelContext
@@ -57,6 +58,17 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalL
         prepack_for_cpu(model, config.dtype)
     if config.batch_invariant:
         use_fixed_row_tiles(model)
+    if tp.is_first:
+        memory = sorted(weight_memory(model).items(), key=lambda item: -item[1])
+        logger.info(
+            "Weights: %.1f MiB%s (%s).",
+            sum(size for _, size in memory) / 2**20,
+            " per rank" if tp.size > 1 else "",
+            ", ".join(
+                f"{str(dtype).removeprefix('torch.')} {size / 2**20:.1f} MiB"
+                for dtype, size in memory
+            ),
+        )
     return model.eval()
 
 
