@@ -35,6 +35,8 @@ from tests.models.test_parity import (
     generate_greedy,
     group_settings,
 )
+from tests.test_reproducibility import MAX_MODEL_LEN as REPRODUCIBILITY_MAX_MODEL_LEN
+from tests.test_reproducibility import PROMPTS, _run
 
 
 def _rounded_kv_sdpa(dtype: torch.dtype) -> Callable[..., Any]:
@@ -199,3 +201,53 @@ def test_fp8_kv_keeps_smollm2_perplexity_within_3_percent_and_its_top_token() ->
     assert abs(perplexities["fp8"] / perplexities["auto"] - 1) < 0.03
     same = sum(a == b for a, b in zip(top_tokens["auto"], top_tokens["fp8"], strict=True))
     assert same / len(top_tokens["auto"]) > 0.93
+
+
+@pytest.mark.slow
+def test_fp8_greedy_on_two_ranks_matches_transformers_over_fp8_rounded_kv(
+    tiny_model_dir: Callable[[str], Path],
+    fp8_references: Callable[[str, str, bool], tuple[list[list[int]], list[list[int]]]],
+) -> None:
+    """Each rank stores its own KV heads in fp8; the tokens are those of one process."""
+    model_dir = tiny_model_dir("llama")
+    settings, shared_prefix = group_settings(model_dir, "chunked-prefill+preemption")
+    # The same blocks: one byte an element (not 4), and one of the 2 KV heads per rank.
+    settings["kv_cache_memory_bytes"] //= 4 * 2
+    prompts, expected = fp8_references("llama", "fp8", shared_prefix)
+    with LLM(model_dir, kv_cache_dtype="fp8", tensor_parallel_size=2, **settings) as llm:
+        outputs, metrics = generate_greedy(llm, prompts)
+    for scenario in SCENARIO_GROUPS["chunked-prefill+preemption"]:
+        check_scenario(scenario, outputs, metrics, expected)
+
+
+@pytest.mark.slow
+def test_batch_invariant_fp8_outputs_and_logprobs_are_bit_identical_however_they_are_run(
+    tiny_model_dir: Callable[[str], Path],
+) -> None:
+    """Rounding to fp8 is per element, so batch_invariant=True stays exact: from the prefix
+    cache or not, alone or batched, chunked and preempted."""
+    model_dir = tiny_model_dir("qwen3")
+    everything = list(range(len(PROMPTS)))
+
+    def build(**settings: Any) -> LLM:
+        return LLM(
+            model_dir,
+            max_model_len=REPRODUCIBILITY_MAX_MODEL_LEN,
+            batch_invariant=True,
+            kv_cache_dtype="fp8",
+            **settings,
+        )
+
+    with build() as llm:
+        batched = _run(llm, everything)
+        assert _run(llm, everything) == batched
+        assert llm.get_metrics().prefix_cache_hit_tokens > 0
+        assert [_run(llm, [i])[0] for i in (1, 3)] == [batched[1], batched[3]]
+    # 24 blocks of 16 tokens: 2 layers x 2 KV heads x head_dim 32 x 1 byte, K and V.
+    with build(
+        enable_prefix_caching=False,
+        max_num_batched_tokens=16,
+        kv_cache_memory_bytes=24 * 16 * 2 * 2 * 2 * 32,
+    ) as constrained:
+        assert _run(constrained, everything[::-1]) == batched[::-1]
+        assert constrained.get_metrics().num_preemptions > 0
