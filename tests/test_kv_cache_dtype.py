@@ -180,7 +180,7 @@ def test_capacity_survives_since_and_kv_cache_dtype_names_are_checked(
 def test_fp8_kv_keeps_smollm2_perplexity_within_3_percent_and_its_top_token() -> None:
     """The real model over the fixed text: perplexity within 3% of the float32 cache's
     (measured: 34.59 against 34.65), and the most likely next token the same at most
-    positions (measured: 535 of 561, 95.4%; the rest are near-ties that any rounding flips)."""
+    positions (measured: 535 of 561, 95.4%)."""
     top_tokens = {}
     perplexities = {}
     for kv_cache_dtype in ("auto", "fp8"):
