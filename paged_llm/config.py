@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -142,7 +143,9 @@ class EngineConfig:
             max_num_batched_tokens = platform.default_max_num_batched_tokens
             if not chunked_prefill:
                 max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
-        _check(isinstance(seed, int), "seed", seed, "an int")
+        if seed is None:
+            seed = secrets.randbits(63)
+        _check(isinstance(seed, int) and not isinstance(seed, bool), "seed", seed, "an int or None")
         _check(
             isinstance(max_num_seqs, int) and max_num_seqs >= 1,
             "max_num_seqs",
@@ -198,6 +201,12 @@ class EngineConfig:
         _check_parallel_sizes(
             hf_config, platform, args.tensor_parallel_size, args.data_parallel_size
         )
+        if args.distributed_executor_backend == "uni" and args.tensor_parallel_size != 1:
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs the model in one process, and "
+                f"tensor_parallel_size={args.tensor_parallel_size} needs one per rank; use "
+                "distributed_executor_backend='mp' (or None)."
+            )
         if attention_backend == "auto":
             attention_backend = platform.default_attention_backend
         if attention_backend == "triton" and not platform.runs_triton():
@@ -230,6 +239,7 @@ class EngineConfig:
             "enforce_eager": bool(args.enforce_eager),
             "attention_backend": attention_backend,
             "chunked_prefill": chunked_prefill,
+            "seed": seed,
         }
         # The other fields are settings taken as given, under the same names.
         return cls(

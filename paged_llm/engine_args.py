@@ -108,7 +108,7 @@ class EngineArgs:
     revision: str | None = _honoured(
         None,
         "Branch, tag or commit of a model given as a hub id in the local Hugging Face cache "
-        "(refused with a local path, which has no revisions).",
+        "(ignored, with a warning, for a local path, which has no revisions).",
     )
     trust_remote_code: bool = _honoured(
         False,
@@ -161,7 +161,11 @@ class EngineArgs:
     device: Any = _honoured(
         "auto", '"auto" (CUDA when available), "cpu", "cuda" or a Platform.', cli=_FLAG
     )
-    seed: int = _honoured(0, "Seeds the draws of requests without a seed of their own.")
+    seed: int | None = _honoured(
+        0,
+        "Seeds the draws of requests without a seed of their own; None draws a fresh seed at "
+        "start-up, so those requests differ from run to run (as vLLM's seed=None).",
+    )
     max_model_len: int | None = _honoured(
         None,
         "Longest sequence (prompt + output) the engine serves; defaults to the model's "
@@ -221,9 +225,10 @@ class EngineArgs:
     )
     distributed_executor_backend: str | None = _honoured(
         None,
-        'None or "mp": tensor-parallel workers are processes on this machine. "ray" is '
-        "refused until paged_llm.ray exists.",
-        accepts=(None, "mp"),
+        'None or "mp": tensor-parallel workers are processes on this machine; "uni": one '
+        'process, as with tensor_parallel_size=1 (vLLM\'s name for it). "ray" is refused: '
+        "for a Ray cluster use paged_llm.ray (Ray Data), one LLM per actor.",
+        accepts=(None, "mp", "uni"),
     )
     max_logprobs: int = _honoured(
         20,

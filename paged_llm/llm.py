@@ -30,6 +30,7 @@ from paged_llm.inputs import PromptType, TokensPrompt
 from paged_llm.model_files import resolve_model
 from paged_llm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from paged_llm.sampling_params import BeamSearchParams, SamplingParams
+from paged_llm.structured_outputs.params import StructuredOutputsParams
 from paged_llm.structured_outputs.xgrammar_backend import build_grammar
 
 logger = logging.getLogger(__name__)
@@ -319,8 +320,9 @@ class LLM:
         )
         self.engine: LLMEngine | DataParallelEngine | None
         if args.data_parallel_size > 1:
-            # NOTE: a replica loads the resolved directory, which has no revisions.
-            replica_args = replace(args, data_parallel_size=1, revision=None)
+            # NOTE: a replica loads the resolved directory, which has no revisions, and takes
+            # the seed drawn here for seed=None.
+            replica_args = replace(args, data_parallel_size=1, revision=None, seed=self.config.seed)
             self.engine = DataParallelEngine(
                 functools.partial(_replica_engine, model_dir, replica_args),
                 num_replicas=args.data_parallel_size,
@@ -507,6 +509,8 @@ class LLM:
                 parameter="beam_width",
                 value=params.beam_width,
             )
+        if params.structured_outputs is not None:
+            self._check_structured_outputs(params.structured_outputs)
         if concurrency_limit is not None and not (
             isinstance(concurrency_limit, int) and concurrency_limit >= 1
         ):
@@ -790,6 +794,20 @@ class LLM:
             )
         return prompt.get("prompt"), [int(t) for t in ids]
 
+    def _check_structured_outputs(self, structured_outputs: StructuredOutputsParams) -> None:
+        """Parse the constraint now, so that a bad schema or regex fails its own request up
+        front; the engine compiles it for the tokenizer beside the running batch."""
+        if self.tokenizer is None:
+            raise VLLMValidationError(
+                "structured outputs compile their grammar for the tokenizer, and this LLM was "
+                "built with skip_tokenizer_init=True; build it with a tokenizer.",
+                parameter="structured_outputs",
+            )
+        try:
+            build_grammar(structured_outputs)
+        except ValueError as error:
+            raise VLLMValidationError(str(error), parameter="structured_outputs") from None
+
     def _validate_request(self, index: int, token_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise VLLMValidationError(
@@ -800,15 +818,21 @@ class LLM:
         self._check_prompt(index, token_ids)
         try:
             params.verify()
+            if params.prompt_logprobs_start >= len(token_ids):
+                raise VLLMValidationError(
+                    f"prompt_logprobs_start={params.prompt_logprobs_start} is past the "
+                    f"prompt's last position, {len(token_ids) - 1}; score from a position "
+                    "inside the prompt.",
+                    parameter="prompt_logprobs_start",
+                    value=params.prompt_logprobs_start,
+                )
             if params.structured_outputs is not None:
-                # Parsed here, so that a bad schema or regex fails its own request up front;
-                # the engine compiles it for the tokenizer beside the running batch.
-                build_grammar(params.structured_outputs)
+                self._check_structured_outputs(params.structured_outputs)
         except VLLMValidationError as error:
             raise VLLMValidationError(
                 f"Request {index}: {error}", parameter=error.parameter, value=error.value
             ) from None
-        except ValueError as error:
+        except ValueError as error:  # StructuredOutputsParams' own checks
             raise VLLMValidationError(
                 f"Request {index}: {error}", parameter="structured_outputs"
             ) from None
@@ -817,13 +841,6 @@ class LLM:
                 f"Request {index}: stop strings and bad_words need a tokenizer, and this LLM "
                 "was built with skip_tokenizer_init=True; use stop_token_ids instead.",
                 parameter="stop" if params.stop else "bad_words",
-            )
-        if self.tokenizer is None and params.structured_outputs is not None:
-            raise VLLMValidationError(
-                f"Request {index}: structured outputs compile their grammar for the tokenizer, "
-                "and this LLM was built with skip_tokenizer_init=True; build it with a "
-                "tokenizer.",
-                parameter="structured_outputs",
             )
         if params.n > self.config.max_num_seqs:
             raise VLLMValidationError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -42,6 +43,11 @@ class CompletionOutput:
 
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def lora_request(self) -> None:
+        """vLLM's field; always None: paged_llm has no LoRA adapters."""
+        return None
 
 
 @dataclass
@@ -122,6 +128,32 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     prompt_logprobs: PromptLogprobs | None = None
     error: str | None = None
+
+    # vLLM's fields for features paged_llm does not have, so that scripts reading them run.
+    @property
+    def lora_request(self) -> None:
+        """Always None: no LoRA adapters."""
+        return None
+
+    @property
+    def encoder_prompt(self) -> None:
+        """Always None: decoder-only models only."""
+        return None
+
+    @property
+    def encoder_prompt_token_ids(self) -> None:
+        """Always None: decoder-only models only."""
+        return None
+
+    @property
+    def multi_modal_placeholders(self) -> dict[str, Any]:
+        """Always empty: text prompts only."""
+        return {}
+
+    @property
+    def kv_transfer_params(self) -> None:
+        """Always None: no disaggregated prefill."""
+        return None
 
 
 @dataclass

@@ -95,6 +95,11 @@ class SamplingParams:
             generated position (the sampled token is always included); -1 means the
             whole vocabulary.
         prompt_logprobs: Same, for every prompt token.
+        prompt_logprobs_start: Score only the prompt tokens from this position on (not a
+            field of vLLM's): the earlier positions' ``prompt_logprobs`` entries are None,
+            and the prefix cache may serve them, as it cannot serve positions that are
+            scored. lm-eval's loglikelihood scores a continuation after a shared context
+            this way.
         detokenize: Produce ``text``; False returns token ids only (stop strings then
             cannot be used).
         skip_special_tokens: Drop special tokens from the text.
@@ -130,6 +135,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -210,6 +216,14 @@ class SamplingParams:
                 "None, an integer >= 0, or -1 for the whole vocabulary",
             )
         _check(
+            _is_int(self.prompt_logprobs_start)
+            and self.prompt_logprobs_start >= 0
+            and (self.prompt_logprobs is not None or self.prompt_logprobs_start == 0),
+            "prompt_logprobs_start",
+            self.prompt_logprobs_start,
+            "an integer >= 0, and 0 unless prompt_logprobs is set",
+        )
+        _check(
             all(isinstance(s, str) and s for s in self.stop),
             "stop",
             self.stop,
@@ -252,15 +266,7 @@ class SamplingParams:
                 "a non-empty list of token ids",
             )
 
-        _check(
-            self.structured_outputs is None
-            or isinstance(self.structured_outputs, StructuredOutputsParams),
-            "structured_outputs",
-            self.structured_outputs,
-            "a StructuredOutputsParams or None",
-        )
-        if self.structured_outputs is not None:
-            self.structured_outputs.verify()
+        _check_structured_outputs(self.structured_outputs)
 
     def clone(self) -> SamplingParams:
         """A deep copy, to change without touching this one (vLLM's ``clone``)."""
@@ -279,6 +285,18 @@ def _check(ok: bool, name: str, value: object, allowed: str, owner: str = "Sampl
         raise VLLMValidationError(
             f"{owner}.{name} must be {allowed}, got {value!r}.", parameter=name, value=value
         )
+
+
+def _check_structured_outputs(structured_outputs: object, owner: str = "SamplingParams") -> None:
+    _check(
+        structured_outputs is None or isinstance(structured_outputs, StructuredOutputsParams),
+        "structured_outputs",
+        structured_outputs,
+        "a StructuredOutputsParams or None",
+        owner,
+    )
+    if isinstance(structured_outputs, StructuredOutputsParams):
+        structured_outputs.verify()
 
 
 @dataclass
@@ -302,6 +320,11 @@ class BeamSearchParams:
             sequences, 0 ranks by ``cum_logprob`` alone.
         include_stop_str_in_output: Keep the text of the EOS token at the end of the
             ``text`` of a beam that ended with it.
+        structured_outputs: Constrain every beam to a grammar, as
+            `SamplingParams.structured_outputs` does a sample (not a field of vLLM's, whose
+            beam search has no constraints): the candidates are the tokens the grammar
+            allows, scored by the distribution it leaves, and a beam whose grammar is
+            complete ends on EOS also under ``ignore_eos``.
     """
 
     beam_width: int
@@ -310,6 +333,7 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.verify()
@@ -342,6 +366,7 @@ class BeamSearchParams:
             "a finite number",
             owner,
         )
+        _check_structured_outputs(self.structured_outputs, owner)
 
 
 def _is_int(value: object) -> bool:

@@ -4,6 +4,7 @@ beam's whole sequence with transformers (tests/beam_reference.py)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -11,8 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+import xgrammar
 
-from paged_llm import LLM, BeamSearchOutput, BeamSearchParams, SamplingParams
+from paged_llm import (
+    LLM,
+    BeamSearchOutput,
+    BeamSearchParams,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from tests.beam_reference import ReferenceBeam, TopCandidates, reference_beam_search
 
 # NOTE: the tiny model gains nothing from a second thread (see tests/test_cli.py).
@@ -302,3 +310,133 @@ def test_vllm_s_call_forms(llm: LLM, eos_model_dir: Path) -> None:
         pytest.raises(ValueError, match=r"Beam search decodes .* skip_tokenizer_init=True"),
     ):
         bare.beam_search({"prompt_token_ids": [5, 6, 7]}, params)
+
+
+# ----- structured outputs on beams ------------------------------------------------------
+
+# A regex and a JSON schema short enough for beams of 12 tokens to complete.
+BEAM_CONSTRAINTS = {
+    "regex": StructuredOutputsParams(regex=r"(cat|dog|owl)s? [0-9]{1,2}"),
+    "json": StructuredOutputsParams(
+        json={"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+        disable_any_whitespace=True,
+    ),
+}
+
+
+def grammar_masked_top(
+    hf_model: transformers.PreTrainedModel,
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    constraint: StructuredOutputsParams,
+    eos_token_ids: frozenset[int],
+    prompt_len: int,
+) -> TopCandidates:
+    """The reference's candidates under a grammar: each sequence's matcher replayed from
+    scratch over its generated tokens, its mask applied to transformers' logits, the top
+    tokens the grammar allows of the distribution it leaves."""
+    vocab_size = max(hf_model.config.vocab_size, len(tokenizer))
+    info = xgrammar.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(eos_token_ids)
+    )
+    compiler = xgrammar.GrammarCompiler(info)
+    if constraint.regex is not None:
+        compiled = compiler.compile_regex(constraint.regex)
+    else:
+        compiled = compiler.compile_json_schema(constraint.json, any_whitespace=False)
+
+    def top(sequences: list[list[int]], count: int) -> list[list[tuple[int, float]]]:
+        with torch.no_grad():
+            logits = hf_model(torch.tensor(sequences), logits_to_keep=1).logits[:, -1].float()
+        bitmask = xgrammar.allocate_token_bitmask(len(sequences), vocab_size)
+        for row, tokens in enumerate(sequences):
+            matcher = xgrammar.GrammarMatcher(compiled)
+            assert all(matcher.accept_token(token) for token in tokens[prompt_len:])
+            matcher.fill_next_token_bitmask(bitmask, row)
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
+        logprobs, token_ids = torch.log_softmax(logits, dim=-1).topk(count)
+        return [
+            [(t, lp) for t, lp in zip(ids, lps, strict=True) if lp != float("-inf")]
+            for ids, lps in zip(token_ids.tolist(), logprobs.tolist(), strict=True)
+        ]
+
+    return top
+
+
+def _follows(constraint: StructuredOutputsParams, text: str) -> bool:
+    if constraint.regex is not None:
+        return re.fullmatch(constraint.regex, text) is not None
+    document = json.loads(text)
+    return isinstance(document, dict) and isinstance(document.get("n"), int)
+
+
+@pytest.mark.parametrize("beam_width", [1, 2, 3])
+@pytest.mark.parametrize("kind", sorted(BEAM_CONSTRAINTS))
+def test_constrained_beams_equal_a_reference_that_masks_each_beam(
+    llm: LLM,
+    hf_model: transformers.PreTrainedModel,
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    kind: str,
+    beam_width: int,
+) -> None:
+    """Each fork continues a copy of its parent's matcher: the reference replays every
+    beam's matcher from scratch instead."""
+    constraint = BEAM_CONSTRAINTS[kind]
+    params = BeamSearchParams(beam_width=beam_width, max_tokens=12, structured_outputs=constraint)
+    outputs = llm.beam_search(PROMPTS, params)
+    num_complete = 0
+    for prompt, output in zip(prompt_ids(llm), outputs, strict=True):
+        top = grammar_masked_top(hf_model, tokenizer, constraint, llm.eos_token_ids, len(prompt))
+        expected = reference_beam_search(top, prompt, params, llm.eos_token_ids, MAX_MODEL_LEN)
+        assert [(s.tokens, s.finish_reason) for s in output.sequences] == [
+            (b.tokens, b.finish_reason) for b in expected
+        ]
+        assert [s.cum_logprob for s in output.sequences] == pytest.approx(
+            [b.cum_logprob for b in expected], abs=1e-4
+        )
+        for seq in output.sequences:
+            if seq.finish_reason == "stop":
+                num_complete += 1
+                assert _follows(
+                    constraint, llm.get_tokenizer().decode(seq.tokens[len(prompt) : -1])
+                )
+    assert num_complete > 0
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_a_complete_grammar_ends_its_beam_under_ignore_eos(llm: LLM) -> None:
+    choices = ["yes", "no", "maybe"]
+    params = BeamSearchParams(
+        beam_width=3,
+        max_tokens=8,
+        ignore_eos=True,
+        structured_outputs=StructuredOutputsParams(choice=choices),
+    )
+    for prompt, output in zip(prompt_ids(llm), llm.beam_search(PROMPTS, params), strict=True):
+        assert {seq.finish_reason for seq in output.sequences} == {"stop"}
+        texts = [llm.get_tokenizer().decode(s.tokens[len(prompt) : -1]) for s in output.sequences]
+        assert set(texts) <= set(choices)
+
+
+def test_constrained_beams_under_memory_pressure_change_nothing(
+    eos_model_dir: Path, llm: LLM
+) -> None:
+    constraint = BEAM_CONSTRAINTS["regex"]
+    params = BeamSearchParams(beam_width=3, max_tokens=10, structured_outputs=constraint)
+    expected = [[s.tokens for s in o.sequences] for o in llm.beam_search(PROMPTS, params)]
+    settings = {"kv_cache_memory_bytes": 6 * 2048, "max_num_batched_tokens": 6}
+    with LLM(eos_model_dir, max_model_len=24, block_size=4, **settings) as small:
+        outputs = small.beam_search(PROMPTS, params)
+        assert small.get_metrics().num_preemptions > 0
+    assert [[s.tokens for s in o.sequences] for o in outputs] == expected
+
+
+def test_an_invalid_beam_constraint_is_refused_before_any_work(llm: LLM) -> None:
+    params = BeamSearchParams(
+        beam_width=2, max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(unclosed")
+    )
+    before = llm.get_metrics()
+    with pytest.raises(ValueError, match=r"StructuredOutputsParams.regex is not valid"):
+        llm.beam_search(PROMPTS, params)
+    with pytest.raises(ValueError, match=r"BeamSearchParams.structured_outputs must be a Struct"):
+        BeamSearchParams(beam_width=2, max_tokens=4, structured_outputs={"regex": "a"})  # type: ignore[arg-type]
+    assert llm.get_metrics().num_requests == before.num_requests

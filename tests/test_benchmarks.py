@@ -271,6 +271,26 @@ def test_beam_search_benchmark_agrees_with_the_vllm_style_loop(
 
 
 @pytest.mark.slow
+def test_shared_context_scoring_serves_contexts_from_the_cache_with_the_same_scores(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "shared_context_scoring.json"
+    run_module(
+        "benchmarks.shared_context_scoring",
+        "--model", str(tiny_model_dir("llama")),
+        "--num-questions", "3",
+        "--context-len", "40",
+        "--out", str(out),
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    whole, continuation = result["runs"]
+    assert whole["prefix_cache_hit_rate"] == 0
+    # Three of each question's four choices find its context's two full blocks cached.
+    assert continuation["prefix_cache_hit_rate"] > 0.4
+    assert result["max_score_difference"] < 1e-4
+
+
+@pytest.mark.slow
 def test_op_profile_lists_operators_by_self_time(
     tiny_model_dir: Callable[[str], Path], tmp_path: Path
 ) -> None:

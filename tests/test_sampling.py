@@ -196,6 +196,52 @@ def test_prompt_logprobs_are_exact_across_prefill_chunks(
         )
 
 
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_prompt_logprobs_from_a_start_position_use_the_prefix_cache(
+    model_dir: Path, hf_model: transformers.PreTrainedModel, block_size: int
+) -> None:
+    """lm-eval's pattern: a continuation scored after a context another request computed."""
+    context = " ".join(OTHER_PROMPTS)
+    with LLM(model_dir, max_model_len=MAX_MODEL_LEN, block_size=block_size) as llm:
+        context_ids = llm.get_tokenizer().encode(context)
+        llm.generate({"prompt_token_ids": context_ids}, SamplingParams(max_tokens=1))
+        prompt_ids = [*context_ids, 11, 12, 13, 14, 15]
+        start = len(context_ids)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=1, prompt_logprobs_start=start)
+        (output,) = llm.generate({"prompt_token_ids": prompt_ids}, params, use_tqdm=False)
+        # Served from the cache up to the last block wholly before the scored positions'
+        # inputs (position start - 1 gives token start's logits).
+        assert output.num_cached_tokens == (start - 1) // block_size * block_size > 0
+        (full,) = llm.generate(
+            {"prompt_token_ids": prompt_ids},
+            SamplingParams(max_tokens=1, prompt_logprobs=1),
+            use_tqdm=False,
+        )
+        assert full.num_cached_tokens == 0
+    assert output.prompt_logprobs is not None and full.prompt_logprobs is not None
+    assert len(output.prompt_logprobs) == len(prompt_ids)
+    assert output.prompt_logprobs[:start] == [None] * start
+    reference = _reference_logprobs(hf_model, prompt_ids)
+    for position in range(start, len(prompt_ids)):
+        _check_position(
+            output.prompt_logprobs[position], prompt_ids[position], reference[position - 1], 1
+        )
+        assert output.prompt_logprobs[position] == pytest.approx(full.prompt_logprobs[position])
+
+
+def test_a_bad_prompt_logprobs_start_names_the_request(llm: LLM) -> None:
+    with pytest.raises(ValueError, match=r"prompt_logprobs_start must be an integer >= 0, and 0"):
+        SamplingParams(prompt_logprobs_start=3)
+    with pytest.raises(ValueError, match=r"prompt_logprobs_start must be an integer >= 0"):
+        SamplingParams(prompt_logprobs=0, prompt_logprobs_start=-1)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=3)
+    with pytest.raises(
+        ValueError,
+        match=r"Request 1: prompt_logprobs_start=3 is past the prompt's last position, 2",
+    ):
+        llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [5, 6, 7]}], params)
+
+
 def _check_position(entry: dict, token: int, reference_row: torch.Tensor, num_top: int) -> None:
     assert token in entry
     assert entry[token].logprob == pytest.approx(float(reference_row[token]), abs=1e-4)

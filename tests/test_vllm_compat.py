@@ -107,6 +107,30 @@ def test_lm_evals_model_args_build_an_llm_that_generates_as_the_plain_one(
         )
 
 
+def test_seed_none_the_uni_backend_and_a_revision_with_a_local_path_run(
+    model_dir: Path, llm: LLM
+) -> None:
+    """What vLLM scripts pass: seed=None (a fresh seed per LLM), the single-process "uni"
+    executor, and revision="main" with a local path (no revisions there: ignored)."""
+    unseeded = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        with LLM(
+            model_dir,
+            max_model_len=MAX_MODEL_LEN,
+            seed=None,
+            distributed_executor_backend="uni",
+            revision="main",
+        ) as other:
+            assert _greedy_ids(other, "The capital") == _greedy_ids(llm, "The capital")
+            runs.append((other.config.seed, other.generate("The capital", unseeded)[0]))
+    (seed_a, output_a), (seed_b, output_b) = runs
+    assert seed_a != seed_b
+    assert output_a.outputs[0].token_ids != output_b.outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"distributed_executor_backend='uni' runs the model in"):
+        LLM(model_dir, distributed_executor_backend="uni", tensor_parallel_size=2)
+
+
 @pytest.mark.parametrize(
     ("argument", "message"),
     [
@@ -434,6 +458,18 @@ def test_num_cached_tokens_and_metrics_have_vllms_names(llm: LLM) -> None:
     assert (
         metrics.queued_ts <= metrics.scheduled_ts <= metrics.first_token_ts <= metrics.last_token_ts
     )
+
+
+def test_vllms_fields_for_absent_features_read_as_empty(llm: LLM) -> None:
+    """The LoRA, encoder-decoder, multimodal and KV-transfer fields scripts print or log."""
+    (output,) = llm.generate("Hi", GREEDY, use_tqdm=False)
+    assert (output.lora_request, output.encoder_prompt, output.encoder_prompt_token_ids) == (
+        None,
+        None,
+        None,
+    )
+    assert (output.multi_modal_placeholders, output.kv_transfer_params) == ({}, None)
+    assert output.outputs[0].lora_request is None
 
 
 def test_validation_errors_are_value_errors_with_vllms_exception_name(llm: LLM) -> None:

@@ -22,6 +22,7 @@ the generated tokens but not the EOS that ended a beam.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from paged_llm.engine.scheduler import Scheduler
 from paged_llm.engine.sequence import FinishReason, RawLogprobs, Request, Sequence, derive_seed
 from paged_llm.sampling_params import BeamSearchParams, SamplingParams
+from paged_llm.structured_outputs.xgrammar_backend import SequenceGrammar
 
 
 @dataclass(slots=True)
@@ -69,17 +71,13 @@ class BeamSearchState:
     result: list[FinishedBeam] | None = None
 
 
-# NOTE: structured outputs do not constrain beams yet. They would come in three places:
-# each beam a `SequenceGrammar` (the runner then masks its logits, so these candidates are
-# the grammar's), the chosen token accepted into it in `BeamSearcher._advance`, and a fork
-# given a copy of its parent's matcher state in `BeamSearcher._fork`.
 def _candidates(row: RawLogprobs) -> Iterator[tuple[int, float]]:
     """A beam's next tokens, in the order of vLLM's logprobs dict: the sampled token, then
-    the top tokens by rank (each once)."""
+    the top tokens by rank (each once), less those a grammar rules out (logprob -inf)."""
     token_ids, logprobs, _ = row
     yield token_ids[0], logprobs[0]
     for token_id, logprob in zip(token_ids[1:], logprobs[1:], strict=True):
-        if token_id != token_ids[0]:
+        if token_id != token_ids[0] and logprob != -math.inf:
             yield token_id, logprob
 
 
@@ -101,8 +99,10 @@ class BeamSearcher:
         prompt_token_ids: list[int],
         params: BeamSearchParams,
         base_seed: int,
+        grammar: SequenceGrammar | None,
     ) -> Request:
-        """Queue a validated beam search; the first beam is the prompt itself."""
+        """Queue a validated beam search; the first beam is the prompt itself, with the
+        request's grammar, if any (each fork continues a copy of its parent's)."""
         # NOTE: the runner computes logprobs (and, above temperature 0, draws a token) for
         # these params; the beam search alone decides what a beam appends, so nothing in
         # them ends a sequence.
@@ -120,7 +120,7 @@ class BeamSearcher:
         request = Request(
             request_id, prompt, prompt_token_ids, sampling_params, time.time(), beam_search=state
         )
-        root = Sequence(next(self._seq_ids), request, derive_seed(base_seed, 0))
+        root = Sequence(next(self._seq_ids), request, derive_seed(base_seed, 0), 0, grammar)
         state.beams.append(Beam(root, 0.0))
         request.seqs = [root]
         self.scheduler.add(root)
@@ -150,7 +150,10 @@ class BeamSearcher:
             seq = beam.seq
             for token_id, logprob in _candidates(seq.logprobs[-1]):
                 cum_logprob = beam.cum_logprob + logprob
-                if token_id in self.eos_token_ids and not params.ignore_eos:
+                # NOTE: a grammar allows EOS only once it is complete, and nothing after it.
+                if token_id in self.eos_token_ids and (
+                    not params.ignore_eos or seq.grammar is not None
+                ):
                     state.finished.append(
                         FinishedBeam(
                             [*seq.token_ids, token_id],
@@ -204,6 +207,8 @@ class BeamSearcher:
                 self.scheduler.release(seq)
             else:
                 seq.token_ids.append(next_token)
+                if seq.grammar is not None:
+                    seq.grammar.accept(next_token)
                 self.scheduler.continue_beam(seq)
         state.beams = next_beams
         request.seqs = [beam.seq for beam in next_beams]
@@ -214,7 +219,13 @@ class BeamSearcher:
     ) -> Sequence:
         index = state.num_seqs
         state.num_seqs += 1
-        child = Sequence(next(self._seq_ids), request, derive_seed(state.base_seed, index), index)
+        grammar = None
+        if parent.grammar is not None:
+            grammar = parent.grammar.fork()
+            grammar.accept(token_id)
+        child = Sequence(
+            next(self._seq_ids), request, derive_seed(state.base_seed, index), index, grammar
+        )
         child.token_ids = [*parent.token_ids, token_id]
         child.logprobs = list(parent.logprobs)
         child.num_cached_tokens = parent.num_cached_tokens

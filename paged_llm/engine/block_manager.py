@@ -112,6 +112,8 @@ class BlockManager:
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         # seq_id -> how many leading blocks of its table were offered to the prefix cache.
         self._num_registered_blocks: dict[int, int] = {}
+        # (source, destination) blocks that forks copy; see `fork`.
+        self.pending_copies: list[tuple[int, int]] = []
         self.prefix_cache_queried_tokens = 0
         self.prefix_cache_hit_tokens = 0
 
@@ -130,14 +132,19 @@ class BlockManager:
             parent = hashes[i - 1] if i else None
             hashes.append(hash_block_tokens(parent, seq.token_ids[i * size : (i + 1) * size]))
 
-    def find_cached_prefix(self, seq: Sequence) -> list[KVCacheBlock]:
-        """The longest run of cached blocks that starts the sequence.
+    def find_cached_prefix(
+        self, seq: Sequence, max_tokens: int | None = None
+    ) -> list[KVCacheBlock]:
+        """The longest run of cached blocks that starts the sequence, within its first
+        ``max_tokens`` tokens where given.
 
         At least one token is left out so there are logits to sample from.
         """
         if not self.enable_prefix_caching:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
+        if max_tokens is not None:
+            max_blocks = min(max_blocks, max_tokens // self.block_size)
         self._update_block_hashes(seq, max_blocks)
         hits: list[KVCacheBlock] = []
         for block_hash in seq.block_hashes[:max_blocks]:
@@ -145,8 +152,6 @@ class BlockManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_cache_queried_tokens += seq.num_tokens
-        self.prefix_cache_hit_tokens += len(hits) * self.block_size
         return hits
 
     def num_blocks_needed(self, num_tokens: int) -> int:
@@ -165,6 +170,7 @@ class BlockManager:
         blocks do not suffice.
         """
         cached_prefix = cached_prefix or []
+        admitted = not seq.block_table
         num_tokens = seq.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
         num_new_blocks = (
             self.num_blocks_needed(num_tokens) - len(seq.block_table) - len(cached_prefix)
@@ -185,6 +191,9 @@ class BlockManager:
             self._evict(block)
             block.ref_count = 1
             seq.block_table.append(block.block_id)
+        if admitted and self.enable_prefix_caching:
+            self.prefix_cache_queried_tokens += seq.num_tokens
+            self.prefix_cache_hit_tokens += len(cached_prefix) * self.block_size
         return True
 
     def _evict(self, block: KVCacheBlock) -> None:
@@ -210,22 +219,37 @@ class BlockManager:
         self._num_registered_blocks[seq.seq_id] = num_full
 
     def fork(self, parent: Sequence, child: Sequence) -> int:
-        """Share the parent's computed full blocks with a child whose tokens extend them
-        (an ``n > 1`` sibling: the same prompt; a beam: the parent's tokens and one more);
-        return the tokens shared.
+        """Start a child whose tokens but its last are the parent's computed ones (an
+        ``n > 1`` sibling: the same prompt; a beam: the parent's tokens and one more) on
+        the parent's cache; return the tokens it starts with computed.
 
-        The parent's partially filled last block is not shared: the child recomputes
-        those few tokens (and its last token always, for its logits) into a block of its
-        own, so no block ever needs copying.
+        It shares the parent's full blocks among those tokens. The parent's partially
+        filled block after them is copied into a free block of the child's own (the copy
+        waits in `pending_copies` for the next forward); with no free block, the child
+        recomputes those tokens instead. Its last token it always computes, for its logits.
         """
-        num_shared = min(len(parent.block_table), (child.num_tokens - 1) // self.block_size)
+        num_tokens = min(parent.num_computed_tokens, child.num_tokens - 1)
+        num_shared = num_tokens // self.block_size
         for block_id in parent.block_table[:num_shared]:
             self.blocks[block_id].ref_count += 1
         child.block_table = parent.block_table[:num_shared]
         # Same tokens, same chain: the child need not hash its prompt again.
         child.block_hashes = parent.block_hashes[:num_shared]
         self._num_registered_blocks[child.seq_id] = num_shared
-        return num_shared * self.block_size
+        if num_tokens % self.block_size == 0 or self.num_free_blocks == 0:
+            return num_shared * self.block_size
+        block = self.free_queue.popleft()
+        self._evict(block)
+        block.ref_count = 1
+        child.block_table.append(block.block_id)
+        self.pending_copies.append((parent.block_table[num_shared], block.block_id))
+        return num_tokens
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies that forks asked for since the last call:
+        the next forward must make them before it writes to the cache."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks; cached ones stay findable until reused."""
@@ -267,3 +291,4 @@ class BlockManager:
         self.cached_blocks = {h: b for h, b in self.cached_blocks.items() if b.block_hash == h}
         self.free_queue = FreeBlockQueue(order)
         self._num_registered_blocks.clear()
+        self.pending_copies = []

@@ -114,9 +114,18 @@ class LLMEngine:
         serial = self._num_requests
         self._num_requests += 1
         self._num_prompt_tokens += len(prompt_token_ids)
+        compiled = None
+        if params.structured_outputs is not None:
+            assert self.grammar_compiler is not None, "LLM checks for a tokenizer"
+            compiled = self.grammar_compiler.compile(params.structured_outputs)
         if isinstance(params, BeamSearchParams):
             return self.beam_searcher.add_request(
-                request_id, prompt, prompt_token_ids, params, derive_seed(self.config.seed, serial)
+                request_id,
+                prompt,
+                prompt_token_ids,
+                params,
+                derive_seed(self.config.seed, serial),
+                None if compiled is None else SequenceGrammar(compiled),
             )
         base_seed = (
             params.seed if params.seed is not None else derive_seed(self.config.seed, serial)
@@ -124,10 +133,6 @@ class LLMEngine:
         request = Request(
             request_id, prompt, prompt_token_ids, params, time.time(), bad_words_token_ids
         )
-        compiled = None
-        if params.structured_outputs is not None:
-            assert self.grammar_compiler is not None, "LLM checks for a tokenizer"
-            compiled = self.grammar_compiler.compile(params.structured_outputs)
         request.seqs = [
             Sequence(
                 next(self._seq_ids),

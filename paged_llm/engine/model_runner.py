@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -83,6 +83,8 @@ class StepPlan:
 
     host: HostBatch
     logits_rows: list[np.ndarray]
+    # (source, destination) cache blocks to copy before the forward writes to the cache.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -296,12 +298,27 @@ class ModelRunner:
         """The forward pass, then the logits of each group of rows in turn (None on ranks
         other than 0, and for an empty group). Every rank runs the same sequence of
         collectives, so each must consume the whole iterator."""
+        if plan.block_copies:
+            self._copy_blocks(plan.block_copies)
         hidden = self._forward(plan.host)
         for rows in plan.logits_rows:
             if len(rows) == 0:
                 yield None
                 continue
             yield self.model.compute_logits(hidden[to_device(rows, self.platform)])
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks, keys and values of every layer, in one gather and scatter."""
+        source, destination = (
+            to_device(np.asarray(blocks, dtype=np.int64), self.platform)
+            for blocks in zip(*copies, strict=True)
+        )
+        # kv_cache is [layers, 2 (key, value), *the backend's cache shape].
+        axis = 2 + self.attention_backend.kv_cache_block_axis
+        # NOTE: as bytes, whatever the cache dtype: index_copy_ is not implemented for
+        # float8 on CPU.
+        cache = self.kv_cache.view(torch.uint8)
+        cache.index_copy_(axis, destination, cache.index_select(axis, source))
 
     @torch.inference_mode()
     def follow(self, plan: StepPlan) -> None:
@@ -331,6 +348,7 @@ class ModelRunner:
                     for start in range(0, len(scoring.rows), _PROMPT_LOGPROBS_SLICE)
                 ),
             ],
+            batch.block_copies,
         )
         if self.announce is not None:
             self.announce(plan)

@@ -139,7 +139,9 @@ class OutputProcessor:
         request.metrics.num_generation_tokens = max(seq.num_output_tokens for seq in request.seqs)
         prompt_logprobs = None
         if params.prompt_logprobs is not None:
-            prompt_logprobs = [None] + [self._logprob_dict(raw) for raw in request.prompt_logprobs]
+            prompt_logprobs = [None] + [
+                None if raw is None else self._logprob_dict(raw) for raw in request.prompt_logprobs
+            ]
         return _finished_output(request, completions, prompt_logprobs)
 
 

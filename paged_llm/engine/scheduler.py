@@ -4,7 +4,8 @@ The scheduler speaks only in token counts. Every step it first gives each runnin
 sequence the tokens it still needs (one for a decode, a chunk for an unfinished
 prefill), then admits waiting sequences first-come first-served while the token
 budget and ``max_num_seqs`` allow, chunking a prompt that does not fit (or, without
-chunked prefill, leaving it for a later step). When a running
+chunked prefill, leaving it for a later step). A prompt whose next uncached block another
+sequence computes in the same step waits for the next one, to find that block cached. When a running
 sequence needs a block and none is free, the most recently admitted running sequence
 is preempted: its blocks are freed and it waits again at the front of the queue,
 keeping its generated tokens, to be recomputed later.
@@ -23,7 +24,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from paged_llm.engine.block_manager import BlockManager
+from paged_llm.engine.block_manager import BlockHash, BlockManager
 from paged_llm.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,8 @@ class ScheduledBatch:
     samples: list[bool] = field(default_factory=list)
     # The sequences with samples[i] set, in batch order: one sampled token each.
     sampling_seqs: list[Sequence] = field(default_factory=list)
+    # (source, destination) cache blocks to copy before the forward (`BlockManager.fork`).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         sample = seq.num_computed_tokens + num_tokens == seq.num_tokens
@@ -91,6 +94,7 @@ class Scheduler:
             assert victim.awaits_beam_step, victim
             self._preempt(victim)
             batch = self._schedule()
+        batch.block_copies = self.block_manager.take_pending_copies()
         return batch
 
     def _schedule(self) -> ScheduledBatch:
@@ -119,6 +123,14 @@ class Scheduler:
         # A sequence with siblings or beams to fork holds their places in max_num_seqs too.
         holders = [*self.running, *self.parked]
         num_slots_taken = len(holders) + sum(s.num_seqs_to_fork for s in holders)
+        # Full blocks this step computes, by hash, and the prompts that wait a step because
+        # their next uncached block is one of them: next step they find it cached instead of
+        # computing it again (the choices of a multiple-choice question, a shared system
+        # prompt, the rest of a long prompt being chunked). Their order in the queue stays.
+        in_flight: set[BlockHash] = set()
+        for seq, num_new in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
+            in_flight.update(self._completed_block_hashes(seq, num_new))
+        deferred: list[Sequence] = []
         # NOTE: no admissions in a step that preempted: blocks are short, and a newcomer
         # would only be preempted in turn.
         while not preempted and self.waiting and budget > 0:
@@ -126,11 +138,21 @@ class Scheduler:
             num_slots = 1 + seq.num_seqs_to_fork
             if num_slots_taken + num_slots > self.config.max_num_seqs:
                 break
-            # NOTE: cached blocks have no logits, so a prompt still owing prompt logprobs
-            # is computed in full.
+            # NOTE: cached blocks have no logits, so a prompt still owing prompt logprobs is
+            # computed from the first position whose logits it needs.
             needs_logits = seq.index == 0 and seq.request.needs_prompt_logprobs
-            cached_prefix = [] if needs_logits else self.block_manager.find_cached_prefix(seq)
-            num_cached = len(cached_prefix) * self.block_manager.block_size
+            cached_prefix = self.block_manager.find_cached_prefix(
+                seq, len(seq.request.prompt_logprobs) if needs_logits else None
+            )
+            num_hits = len(cached_prefix)
+            if num_hits < len(seq.block_hashes) and seq.block_hashes[num_hits] in in_flight:
+                # Bounded, so that a queue of thousands sharing one prefix is not scanned
+                # whole in one step.
+                if len(deferred) == self.config.max_num_seqs:
+                    break
+                deferred.append(self.waiting.popleft())
+                continue
+            num_cached = num_hits * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
             if num_new < seq.num_tokens - num_cached and not self.config.chunked_prefill:
                 break
@@ -146,7 +168,16 @@ class Scheduler:
             num_slots_taken += num_slots
             batch.add(seq, num_new)
             budget -= num_new
+            in_flight.update(self._completed_block_hashes(seq, num_new))
+        self.waiting.extendleft(reversed(deferred))
         return batch
+
+    def _completed_block_hashes(self, seq: Sequence, num_new: int) -> list[BlockHash]:
+        """The hashes, where known yet, of the blocks that ``num_new`` more computed tokens
+        fill for ``seq``."""
+        size = self.block_manager.block_size
+        start = seq.num_computed_tokens
+        return seq.block_hashes[start // size : (start + num_new) // size]
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

@@ -74,7 +74,11 @@ class Request:
         # Shared by the request's sequences: the first token of any of them is the
         # request's first token, the last one to finish finishes the request.
         self.metrics = RequestMetrics(arrival_time=arrival_time)
-        self.prompt_logprobs: list[RawLogprobs] = []
+        # Per prompt position from 1 on: its logprobs, or None where it is not scored
+        # (before `SamplingParams.prompt_logprobs_start`).
+        self.prompt_logprobs: list[RawLogprobs | None] = [None] * max(
+            sampling_params.prompt_logprobs_start - 1, 0
+        )
         self.seqs: list[Sequence] = []
 
     @property
@@ -83,7 +87,8 @@ class Request:
 
     @property
     def needs_prompt_logprobs(self) -> bool:
-        """Prompt logprobs were asked for and not all positions are scored yet."""
+        """Prompt logprobs were asked for and not all positions are scored yet (the
+        positions before ``len(prompt_logprobs)`` need no logits)."""
         return (
             self.sampling_params.prompt_logprobs is not None
             and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1

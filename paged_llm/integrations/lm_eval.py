@@ -14,7 +14,8 @@ that have a meaning here (``max_length``, ``max_gen_toks``, ``add_bos_token``,
 ``prefix_token_id``, ``seed``).
 
 Each request list becomes one `LLM.generate` call, so continuous batching sizes the
-batches; scoring requests do not use the prefix cache (see `PagedLM._loglikelihood_tokens`).
+batches; scoring requests score only their continuation, so the prefix cache serves shared
+contexts (see `PagedLM._loglikelihood_tokens`).
 Scores come from ``prompt_logprobs``: the logprob of each continuation token given everything
 before it.
 """
@@ -183,22 +184,29 @@ class PagedLM(TemplateLM):
         """(sum of the continuation's logprobs, whether greedy decoding would produce it) of
         each request, from one `LLM.generate` call with ``prompt_logprobs``.
 
-        NOTE: the prefix cache does not serve these requests: a prompt that owes prompt
-        logprobs needs the logits of every position, which cached blocks do not keep, so the
-        scheduler computes it whole (measured: 0% hits on 4-choice questions sharing a
-        64-token context). Sharing a context would need the engine to score only the
-        continuation's positions.
+        Only the continuation's positions are scored (``prompt_logprobs_start``), so the
+        prefix cache serves a context that an earlier request computed: the choices of a
+        multiple-choice question share their context's blocks.
         """
         # NOTE: the whole sequence is the prompt, and the engine needs room for one generated
         # token; a longer one keeps its last tokens, as lm-eval's models truncate.
         max_prompt_len = self.max_length - 1
         prompts: list[TokensPrompt] = []
         num_context = []
+        params = []
         for _, context, continuation in requests:
             whole = (context + continuation)[-max_prompt_len:]
             prompts.append(TokensPrompt(prompt_token_ids=whole))
             num_context.append(max(len(whole) - len(continuation), 1))
-        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, detokenize=False)
+            params.append(
+                SamplingParams(
+                    temperature=0.0,
+                    max_tokens=1,
+                    prompt_logprobs=1,
+                    prompt_logprobs_start=num_context[-1],
+                    detokenize=False,
+                )
+            )
         outputs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm and self.rank == 0)
         results = []
         for (cache_key, _, _), output, context_len in zip(

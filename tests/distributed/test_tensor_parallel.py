@@ -18,7 +18,7 @@ import pytest
 import torch
 import transformers
 
-from paged_llm import LLM, SamplingParams, cli
+from paged_llm import LLM, BeamSearchParams, SamplingParams, cli
 from paged_llm.distributed.executor import MultiprocExecutor, WorkerError
 from paged_llm.platforms import CpuPlatform
 from tests.conftest import TINY_MODELS, hf_greedy
@@ -260,3 +260,17 @@ def test_structured_outputs_on_two_ranks_match_one_rank(
     assert [[c.token_ids for c in o.outputs] for o in outputs] == one_rank
     for output, (_, check) in zip(outputs, chosen, strict=True):
         assert all(check(c.text) for c in output.outputs if c.finish_reason == "stop")
+
+
+@pytest.mark.slow
+def test_beam_search_on_two_ranks_matches_one_rank(
+    tiny_model_dir: Callable[[str], Path],
+) -> None:
+    """Forked beams copy their parent's partial block on every rank's cache shard."""
+    prompts = ["The quick brown fox", "Once upon a time, in a land far"]
+    params = BeamSearchParams(beam_width=3, max_tokens=8)
+    with LLM(tiny_model_dir("qwen2"), max_model_len=128) as llm:
+        one_rank = [[s.tokens for s in o.sequences] for o in llm.beam_search(prompts, params)]
+    with LLM(tiny_model_dir("qwen2"), max_model_len=128, tensor_parallel_size=TP) as llm:
+        outputs = llm.beam_search(prompts, params)
+    assert [[s.tokens for s in o.sequences] for o in outputs] == one_rank

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from paged_llm import BeamSearchParams
 from paged_llm.engine.beam_search import BeamSearcher
 from paged_llm.engine.block_manager import BlockManager
-from paged_llm.engine.scheduler import Scheduler, SchedulerConfig
+from paged_llm.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from paged_llm.engine.sequence import Request
 from tests.beam_reference import ReferenceBeam, reference_beam_search
 
@@ -67,15 +67,17 @@ class Engine:
         self.searcher = BeamSearcher(self.scheduler, EOS_IDS, itertools.count())
         self.requests: list[Request] = []
         self.num_steps = 0
+        self.last_batch = ScheduledBatch()
 
     def add(self, prompt: list[int], params: BeamSearchParams) -> Request:
-        request = self.searcher.add_request(str(len(self.requests)), None, prompt, params, 0)
+        request = self.searcher.add_request(str(len(self.requests)), None, prompt, params, 0, None)
         self.requests.append(request)
         return request
 
     def step(self) -> list[Request]:
         batch = self.scheduler.schedule()
         assert batch.seqs, "nothing to run although requests are pending"
+        self.last_batch = batch
         holders = [*self.scheduler.running, *self.scheduler.parked]
         assert len(holders) <= self.scheduler.config.max_num_seqs
         self.scheduler.update(batch, [EOS] * len(batch.sampling_seqs))
@@ -140,8 +142,16 @@ def test_beams_share_the_prompt_s_full_blocks_and_a_pruned_beam_frees_its_own() 
     tables = [beam.seq.block_table for beam in state.beams]
     assert tables[1][:2] == tables[2][:2] == tables[0][:2]
     assert all(engine.block_manager.blocks[b].ref_count == 3 for b in tables[0][:2])
-    # The forks recompute only the partial last block and their new token.
-    assert [beam.seq.num_computed_tokens for beam in state.beams] == [10, 8, 8]
+    # The forks get a copy of the partial last block, so they compute their new token only.
+    assert [beam.seq.num_computed_tokens for beam in state.beams] == [10, 10, 10]
+    assert len({table[2] for table in tables}) == 3
+    assert engine.block_manager.pending_copies == [
+        (tables[0][2], tables[1][2]),
+        (tables[0][2], tables[2][2]),
+    ]
+    copies = engine.block_manager.pending_copies
+    engine.step()
+    assert engine.last_batch.block_copies == copies  # made before the next forward
     engine.run()
     assert_same(
         results(request), reference_beam_search(fake_top, prompt, params, EOS_IDS, MAX_MODEL_LEN)

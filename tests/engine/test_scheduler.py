@@ -83,9 +83,51 @@ def test_fcfs_admission_under_max_num_seqs() -> None:
     assert admitted == seqs
 
 
+def test_a_prompt_waits_a_step_for_the_blocks_another_computes() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=64)
+    shared = list(range(100, 108))  # two blocks of 4
+    first, sharer, other, late_sharer = (
+        make_seq(tokens, max_tokens=2)
+        for tokens in (
+            [*shared, 1, 2, 3],
+            [*shared, 4, 5],
+            list(range(200, 211)),
+            [*shared, 6],
+        )
+    )
+    for seq in (first, sharer, other, late_sharer):
+        scheduler.add(seq)
+    batch, _ = step(scheduler)
+    # The sharers would compute the shared blocks beside `first`: they wait, in order.
+    assert batch.seqs == [first, other]
+    assert list(scheduler.waiting) == [sharer, late_sharer]
+    batch, _ = step(scheduler)
+    assert batch.seqs == [first, other, sharer, late_sharer]
+    assert [sharer.num_cached_tokens, late_sharer.num_cached_tokens] == [8, 8]
+    assert batch.num_scheduled_tokens == [1, 1, 2, 1]
+    assert scheduler.block_manager.prefix_cache_hit_tokens == 16
+
+
+def test_a_prompt_waits_for_the_blocks_a_chunked_prefill_computes() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    long = make_seq(list(range(100, 126)), max_tokens=2)  # chunks of 10, 10 and 6 tokens
+    sharer = make_seq([*range(100, 124), 1, 2], max_tokens=2)  # its first six blocks
+    scheduler.add(long)
+    scheduler.add(sharer)
+    while sharer.status is SequenceStatus.WAITING:
+        batch, _ = step(scheduler)
+        assert batch.seqs[0] is long
+    # The last chunk left room in the budget while it filled the sixth block: the sharer
+    # waited for that block too, then took all six from the cache.
+    assert sharer.num_cached_tokens == 24
+    while scheduler.has_unfinished():
+        step(scheduler)
+
+
 def test_preemption_takes_the_most_recently_admitted() -> None:
-    # 6 blocks of 4 tokens; three 7-token prompts take 2 blocks each and fill the pool.
-    scheduler = make_scheduler(num_blocks=6, max_model_len=16)
+    # 6 blocks of 4 tokens; three 7-token prompts take 2 blocks each and fill the pool
+    # (they are the same prompt: without prefix caching they share nothing).
+    scheduler = make_scheduler(num_blocks=6, max_model_len=16, prefix_caching=False)
     first, second, third = (make_prompt_seq(7, max_tokens=8, ignore_eos=True) for _ in range(3))
     for seq in (first, second, third):
         scheduler.add(seq)
@@ -177,7 +219,14 @@ def test_every_request_finishes_within_limits_and_leaks_nothing(
         assert all(n >= 1 for n in batch.num_scheduled_tokens)
         admitted.extend(s for s in batch.seqs if s not in admitted)
     assert not scheduler.has_unfinished()
-    assert admitted == seqs, "first come, first served"
+    # First come, first served, except that a prompt waits a step for blocks another
+    # sequence computes: one overtaken shares its first block with another sequence.
+    order = {id(seq): i for i, seq in enumerate(admitted)}
+    for i, seq in enumerate(seqs):
+        if any(order[id(later)] < order[id(seq)] for later in seqs[i + 1 :]):
+            first_block = seq.token_ids[:block_size]
+            assert len(first_block) == block_size
+            assert any(o is not seq and o.token_ids[:block_size] == first_block for o in seqs)
     for seq, m in zip(seqs, max_tokens, strict=False):
         assert seq.is_finished
         assert seq.num_output_tokens == min(m, max_model_len - seq.num_prompt_tokens)

@@ -200,6 +200,18 @@ def test_paged_llm_eval_runs_lm_eval_with_the_model_registered(
     assert results["results"]["tiny_mc"]["acc,none"] == ours["results"]["tiny_mc"]["acc,none"]
 
 
+def test_the_lm_eval_models_entry_point_loads_the_registered_model() -> None:
+    """What `lm_eval --model paged_llm` resolves in lm-eval versions that discover model
+    plugins: the installed package's entry point in the "lm_eval.models" group."""
+    from importlib.metadata import entry_points
+
+    from lm_eval.api.registry import get_model
+
+    (entry,) = (e for e in entry_points(group="lm_eval.models") if e.name == "paged_llm")
+    assert entry.load() is integration.PagedLM
+    assert get_model(integration.MODEL_NAME) is integration.PagedLM
+
+
 def test_lm_eval_model_arguments_reach_the_llm(tiny_model: str) -> None:
     model = integration.PagedLM.create_from_arg_string(
         f"pretrained={tiny_model},dtype=float32,max_length=256",

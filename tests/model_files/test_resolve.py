@@ -131,9 +131,14 @@ def test_gguf_file_goes_to_the_converter(
     assert resolved.path == cache_dir() / "gguf" / "converted"
 
 
-def test_revision_with_a_local_path_is_rejected(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="hub ids only"):
-        resolve_model(make_model_dir(tmp_path / "model"), revision="main")
+def test_revision_with_a_local_path_is_ignored_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As transformers and vLLM ignore it: a vLLM script passing revision="main" runs."""
+    model_dir = make_model_dir(tmp_path / "model")
+    with caplog.at_level("WARNING", logger="paged_llm.model_files.resolve"):
+        assert resolve_model(model_dir, revision="main").path == resolve_model(model_dir).path
+    assert "revision='main' is ignored" in caplog.text
 
 
 def test_empty_model_is_rejected() -> None:

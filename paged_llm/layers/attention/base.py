@@ -47,6 +47,9 @@ class AttentionBackend(abc.ABC):
     # of the step: of the other sequences, of how its own context was chunked or cached.
     supports_batch_invariance: ClassVar[bool] = False
 
+    # The axis of `kv_cache_shape` that indexes blocks.
+    kv_cache_block_axis: ClassVar[int] = 0
+
     @staticmethod
     def kv_cache_shape(
         num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int

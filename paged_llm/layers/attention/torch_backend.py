@@ -104,6 +104,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
     supports_batch_invariance = True
+    kv_cache_block_axis = 1
 
     def __init__(self) -> None:
         self.cascade = True
