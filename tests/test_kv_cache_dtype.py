@@ -25,6 +25,7 @@ from benchmarks.perplexity import perplexity, text_token_ids
 from paged_llm import LLM, SamplingParams
 from paged_llm.engine_args import KV_CACHE_DTYPES
 from paged_llm.model_files import DEFAULT_MODEL
+from paged_llm.sampling_params import BeamSearchParams
 from tests.conftest import hf_greedy
 from tests.models.test_parity import (
     MAX_TOKENS,
@@ -251,3 +252,29 @@ def test_batch_invariant_fp8_outputs_and_logprobs_are_bit_identical_however_they
     ) as constrained:
         assert _run(constrained, everything[::-1]) == batched[::-1]
         assert constrained.get_metrics().num_preemptions > 0
+
+
+def test_beam_forks_copy_fp8_blocks_and_change_no_beam(
+    tiny_model_dir: Callable[[str], Path],
+) -> None:
+    """A branching beam copies its parent's partial last block (here, fp8 bytes): the beams
+    equal those of 1-token blocks, where no block is ever partial and nothing is copied."""
+    prompts = [{"prompt_token_ids": [300 + 7 * i + j for j in range(5 + 3 * i)]} for i in range(3)]
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    beams = {}
+    for block_size in (4, 1):
+        with LLM(
+            tiny_model_dir("llama"), kv_cache_dtype="fp8", max_model_len=64, block_size=block_size
+        ) as llm:
+            runner = llm.engine.model_runner
+            copies: list[int] = []
+
+            def counted(pairs: list[tuple[int, int]], copy: Any = runner._copy_blocks) -> None:
+                copies.append(len(pairs))  # noqa: B023 - used within this iteration only
+                copy(pairs)
+
+            runner._copy_blocks = counted  # type: ignore[method-assign]
+            outputs = llm.beam_search(prompts, params)
+            beams[block_size] = [[seq.tokens for seq in o.sequences] for o in outputs]
+        assert bool(copies) == (block_size > 1)
+    assert beams[4] == beams[1]
