@@ -9,6 +9,7 @@ then times ``--steps`` decode-only steps (CUDA graphs on a GPU, unless
 Run from the repository root:
     python -m benchmarks.decode_step --device cuda --random-weights-config llama-3.2-1b
     python -m benchmarks.decode_step --batch-sizes 1,16,64 --context-len 256
+    python -m benchmarks.decode_step --kv-cache-dtype fp8
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_model_arguments(parser)
     add_device_arguments(parser)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--kv-cache-dtype", default="auto", help='"auto", "fp8", "fp8_e5m2"')
     parser.add_argument(
         "--bandwidth-gbps",
         type=float,
@@ -127,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             max_model_len=args.context_len + args.steps + 16,
             max_num_seqs=max(batch_sizes),
             enforce_eager=args.enforce_eager,
+            kv_cache_dtype=args.kv_cache_dtype,
         ) as llm:
             runner = llm.engine.model_runner
             # Every linear layer's weight (the LM head's too, tied or not) is read once per

@@ -63,6 +63,8 @@ class EngineOptions:
     data_parallel_size: int = 1
     # paged_llm only: LLM(batch_invariant=...).
     batch_invariant: bool = False
+    # paged_llm only: LLM(kv_cache_dtype=...).
+    kv_cache_dtype: str = "auto"
     # paged_llm only: "json" constrains every request with `STRUCTURED_JSON_SCHEMA`.
     structured: str | None = None
 
@@ -148,6 +150,7 @@ class PagedLLMEngine(Engine):
             tensor_parallel_size=options.tensor_parallel_size,
             data_parallel_size=options.data_parallel_size,
             batch_invariant=options.batch_invariant,
+            kv_cache_dtype=options.kv_cache_dtype,
         )
         self.structured = options.structured
 

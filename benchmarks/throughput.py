@@ -14,6 +14,7 @@ Run from the repository root:
         --data-parallel-size 2
     python -m benchmarks.throughput --engines paged_llm --batch-invariant
     python -m benchmarks.throughput --engines paged_llm --structured json
+    python -m benchmarks.throughput --engines paged_llm --kv-cache-dtype fp8
 """
 
 from __future__ import annotations
@@ -171,6 +172,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--batch-invariant",
         action="store_true",
         help="also run paged_llm with batch_invariant=True, to measure what it costs",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        help="also run paged_llm with this kv_cache_dtype (e.g. fp8), to measure what it "
+        "costs or saves",
     )
     parser.add_argument(
         "--structured",
@@ -423,6 +430,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "paged_llm batch-invariant",
                     REFERENCE_ENGINE,
                     replace(options, batch_invariant=True),
+                )
+            )
+        if args.kv_cache_dtype is not None:
+            jobs.append(
+                (
+                    f"paged_llm kv_cache_dtype={args.kv_cache_dtype}",
+                    REFERENCE_ENGINE,
+                    replace(options, kv_cache_dtype=args.kv_cache_dtype),
                 )
             )
         if args.structured is not None:

@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from csrc_triton.fp8 import FP8_FORMATS
+
 # log2(e): the kernel works in base 2 so it can use exp2.
 _LOG2_E = 1.4426950408889634
 _MAX_HEAD_DIM = 256
@@ -48,6 +50,7 @@ def _paged_attention_kernel(
     split_max_ptr,
     split_sum_ptr,
     qk_scale,
+    v_scale,
     sliding_window,
     num_queries_per_kv,
     head_dim,
@@ -142,7 +145,7 @@ def _paged_attention_kernel(
             + dims[:, None] * stride_kc_d,
             mask=k_mask[None, :] & dim_mask[:, None],
             other=0.0,
-        )
+        ).to(q.dtype)
         s = _dot(q, k, UPCAST_DOT_OPERANDS) * qk_scale
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_mask[None, :]
         if USE_SLIDING_WINDOW:
@@ -164,10 +167,12 @@ def _paged_attention_kernel(
             + dims[None, :] * stride_vc_d,
             mask=k_mask[:, None] & dim_mask[None, :],
             other=0.0,
-        )
+        ).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST_DOT_OPERANDS)
         m_i = m_new
 
+    # The cache holds V / v_scale; K's scale is folded into qk_scale.
+    acc = acc * v_scale
     if NUM_SPLITS == 1:
         # Padding rows never saw a key (l = 0); divide them by 1 rather than produce NaN.
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -270,6 +275,8 @@ def paged_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal grouped-query attention of flat varlen queries over a paged KV cache.
 
@@ -278,8 +285,9 @@ def paged_attention(
     Args:
         query: ``[T, num_heads, head_dim]``; sequence ``b`` owns rows
             ``query_start_loc[b]:query_start_loc[b + 1]``. Any strides.
-        key_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, same dtype as ``query``.
-        value_cache: same shape and dtype as ``key_cache``.
+        key_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, the dtype of ``query``
+            or fp8 (``float8_e4m3fn`` / ``float8_e5m2``), read as ``key_cache * k_scale``.
+        value_cache: same shape and dtype as ``key_cache``, read as ``value_cache * v_scale``.
         block_tables: ``[B, max_blocks]`` int32; only the first ``ceil(seq_lens[b] / block_size)``
             entries of row ``b`` are read.
         seq_lens: ``[B]`` int32, context length of each sequence after this step; this step's
@@ -292,6 +300,8 @@ def paged_attention(
         out: optional ``[T, num_heads, head_dim]`` output buffer, same dtype as ``query``.
         num_splits: number of programs sharing one query tile's KV range (flash-decoding);
             ``None`` picks it from the batch shape (only pure decode on CUDA ever splits).
+        k_scale: the keys' quantization scale (see :func:`csrc_triton.store_kv`).
+        v_scale: the values' quantization scale.
 
     Returns:
         ``[T, num_heads, head_dim]`` in the dtype of ``query`` (``out`` if given). Rows past
@@ -310,9 +320,10 @@ def paged_attention(
         raise ValueError(f"head_dim {head_dim} is not supported; at most {_MAX_HEAD_DIM}")
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+    if value_cache.dtype != key_cache.dtype or key_cache.dtype not in (query.dtype, *FP8_FORMATS):
         raise ValueError(
-            f"cache dtypes {key_cache.dtype}/{value_cache.dtype} must match query dtype {query.dtype}"
+            f"cache dtypes {key_cache.dtype}/{value_cache.dtype} must both be the query dtype"
+            f" {query.dtype} or both one fp8 dtype"
         )
     if seq_lens.shape != (num_seqs,) or query_start_loc.shape != (num_seqs + 1,):
         raise ValueError(
@@ -370,7 +381,8 @@ def paged_attention(
         kernel_out,
         split_max,
         split_sum,
-        scale * _LOG2_E,
+        scale * k_scale * _LOG2_E,
+        v_scale,
         sliding_window or 0,
         num_queries_per_kv,
         head_dim,

@@ -3,6 +3,17 @@
 import torch
 import torch.nn.functional as F
 
+from csrc_triton.fp8 import FP8_FORMATS
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """``x / scale`` in ``dtype`` as the cache stores it: multiplied by the float32
+    reciprocal of the scale, saturated to an fp8 format's range, rounded by torch's cast."""
+    scaled = x.float() * torch.tensor(1.0 / scale, dtype=torch.float32)
+    if dtype in FP8_FORMATS:
+        scaled = scaled.clamp(-FP8_FORMATS[dtype].max, FP8_FORMATS[dtype].max)
+    return scaled.to(dtype)
+
 
 def store_kv(
     key: torch.Tensor,
@@ -10,12 +21,16 @@ def store_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Reference for :func:`csrc_triton.store_kv`."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    key_cache.flatten(0, 1)[slots] = key[keep].to(key_cache.dtype)
-    value_cache.flatten(0, 1)[slots] = value[keep].to(value_cache.dtype)
+    # NOTE: through uint8 views: CPU index assignment is not implemented for float8.
+    for cache, x, scale in ((key_cache, key, k_scale), (value_cache, value, v_scale)):
+        stored = quantize(x[keep], cache.dtype, scale)
+        cache.flatten(0, 1).view(torch.uint8)[slots] = stored.view(torch.uint8)
 
 
 def paged_attention(
@@ -30,8 +45,11 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Reference for :func:`csrc_triton.paged_attention`: one dense masked softmax per sequence."""
+    """Reference for :func:`csrc_triton.paged_attention`: one dense masked softmax per sequence
+    over the dequantized keys and values (``cache * scale``)."""
     block_size = key_cache.shape[1]
     num_queries_per_kv = query.shape[1] // key_cache.shape[2]
     if out is None:
@@ -41,8 +59,8 @@ def paged_attention(
         seq_len = int(seq_lens[seq])
         k_pos = torch.arange(seq_len, device=query.device)
         blocks = block_tables[seq, k_pos // block_size].long()
-        key = key_cache[blocks, k_pos % block_size].float()
-        value = value_cache[blocks, k_pos % block_size].float()
+        key = key_cache[blocks, k_pos % block_size].float() * k_scale
+        value = value_cache[blocks, k_pos % block_size].float() * v_scale
         key = key.repeat_interleave(num_queries_per_kv, dim=1)
         value = value.repeat_interleave(num_queries_per_kv, dim=1)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from paged_llm.engine_args import EngineArgs
+from paged_llm.engine_args import KV_CACHE_DTYPES, EngineArgs
 from paged_llm.layers.attention import ATTENTION_BACKENDS
 from paged_llm.platforms import Platform, get_platform
 
@@ -82,6 +82,8 @@ class EngineConfig:
     model_dir: Path
     hf_config: Any
     dtype: torch.dtype
+    # The KV cache's element type: ``dtype``, or an fp8 type.
+    kv_cache_dtype: torch.dtype
     platform: Platform
     seed: int
     max_model_len: int
@@ -221,10 +223,14 @@ class EngineConfig:
         )
         if args.batch_invariant:
             _check_batch_invariance(attention_backend, args.tensor_parallel_size)
+        dtype = resolve_dtype(args.dtype, hf_config, platform)
+        kv_cache_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype] or dtype
+        platform.check_kv_cache_dtype(kv_cache_dtype, attention_backend)
         resolved = {
             "model_dir": model_dir,
             "hf_config": hf_config,
-            "dtype": resolve_dtype(args.dtype, hf_config, platform),
+            "dtype": dtype,
+            "kv_cache_dtype": kv_cache_dtype,
             "platform": platform,
             "max_model_len": max_model_len,
             "max_num_seqs": max_num_seqs,

@@ -93,6 +93,10 @@ class Platform:
         """Bytes the KV cache may take; ``profile_step`` runs the largest step once."""
         raise NotImplementedError
 
+    def check_kv_cache_dtype(self, kv_cache_dtype: torch.dtype, attention_backend: str) -> None:
+        """Refuse, with a ValueError that says what to use instead, a KV-cache dtype the
+        attention backend cannot read here."""
+
     def host_to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host tensor on this platform's device, without blocking the host."""
         return tensor
@@ -155,6 +159,20 @@ class CudaPlatform(Platform):
 
     def device_count(self) -> int | None:
         return torch.cuda.device_count()
+
+    def check_kv_cache_dtype(self, kv_cache_dtype: torch.dtype, attention_backend: str) -> None:
+        # NOTE: Triton converts to and from e4m3 only on compute capability 8.9 and later
+        # (Ada, Hopper); e5m2 converts everywhere.
+        if (
+            kv_cache_dtype == torch.float8_e4m3fn
+            and attention_backend == "triton"
+            and torch.cuda.get_device_capability(self.device) < (8, 9)
+        ):
+            raise ValueError(
+                f"kv_cache_dtype='fp8' (e4m3) needs a GPU of compute capability 8.9 or later "
+                f"for the Triton attention backend; {torch.cuda.get_device_name(self.device)} "
+                "has less. Use kv_cache_dtype='fp8_e5m2' or 'auto'."
+            )
 
     def kv_cache_budget_bytes(
         self, config: EngineConfig, kv_bytes_per_token: int, profile_step: Callable[[], None]

@@ -142,7 +142,7 @@ def test_seed_none_the_uni_backend_and_a_revision_with_a_local_path_run(
         ({"pipeline_parallel_size": 2}, r"pipeline_parallel_size=2 .*tensor_parallel_size"),
         ({"pipeline_parallel_size": True}, r"pipeline_parallel_size=True is not supported"),
         ({"tokenizer_mode": "mistral"}, r"tokenizer_mode='mistral' is not supported"),
-        ({"kv_cache_dtype": "fp8"}, r"kv_cache_dtype='fp8' is not supported"),
+        ({"kv_cache_dtype": "fp8_inc"}, r"kv_cache_dtype='fp8_inc' is not supported"),
         ({"max_model_lenn": 64}, r"unknown argument\(s\) 'max_model_lenn' \(did you mean"),
         ({"trust_remote_code": "yes"}, r"trust_remote_code must be a bool"),
     ],

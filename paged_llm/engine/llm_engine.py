@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
 
@@ -34,6 +34,9 @@ class EngineMetrics:
     num_steps: int = 0
     # Seconds rank 0 spent in tensor-parallel collectives (0 on one rank).
     collective_seconds: float = 0.0
+    # Tokens the KV cache holds (summed over data-parallel replicas): a size, not a count,
+    # so `since` keeps it.
+    kv_cache_capacity_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -44,9 +47,10 @@ class EngineMetrics:
 
     def since(self, earlier: EngineMetrics) -> EngineMetrics:
         """The counts between ``earlier`` and these."""
-        return EngineMetrics(
+        counts = EngineMetrics(
             *(now - then for now, then in zip(astuple(self), astuple(earlier), strict=True))
         )
+        return replace(counts, kv_cache_capacity_tokens=self.kv_cache_capacity_tokens)
 
 
 class LLMEngine:
@@ -199,6 +203,7 @@ class LLMEngine:
             prefix_cache_hit_tokens=self.block_manager.prefix_cache_hit_tokens,
             num_steps=self._num_steps,
             collective_seconds=self.model_runner.tp.collective_seconds,
+            kv_cache_capacity_tokens=self.model_runner.kv_cache_capacity_tokens,
         )
 
     def shutdown(self) -> None:

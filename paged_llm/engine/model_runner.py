@@ -27,6 +27,7 @@ from paged_llm.engine.sequence import RawLogprobs, Sequence
 from paged_llm.layers.attention import Attention, get_attention_backend
 from paged_llm.layers.linear import prepack_for_cpu, use_fixed_row_tiles
 from paged_llm.layers.sampler import LogprobsTensors, Sampler, compute_logprobs
+from paged_llm.layers.weights import weight_memory
 from paged_llm.loader import load_weights
 from paged_llm.models import get_model_class
 from paged_llm.models.context import ModelContext
@@ -57,6 +58,17 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalL
         prepack_for_cpu(model, config.dtype)
     if config.batch_invariant:
         use_fixed_row_tiles(model)
+    if tp.is_first:
+        memory = sorted(weight_memory(model).items(), key=lambda item: -item[1])
+        logger.info(
+            "Weights: %.1f MiB%s (%s).",
+            sum(size for _, size in memory) / 2**20,
+            " per rank" if tp.size > 1 else "",
+            ", ".join(
+                f"{str(dtype).removeprefix('torch.')} {size / 2**20:.1f} MiB"
+                for dtype, size in memory
+            ),
+        )
     return model.eval()
 
 
@@ -144,8 +156,9 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = self.attention_backend
+        first = self.attention_layers[0]
         self.attention_backend.setup(
-            self.kv_bytes_per_token // len(self.attention_layers),
+            2 * first.num_kv_heads * first.head_dim * self.config.dtype.itemsize,
             any(layer.sliding_window is not None for layer in self.attention_layers),
             self.config.batch_invariant,
         )
@@ -182,9 +195,9 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """2 (K and V) x layers x this rank's kv heads x head dim x bytes per element."""
+        """2 (K and V) x layers x this rank's kv heads x head dim x bytes per cache element."""
         first = self.attention_layers[0]
-        element_size = torch.empty(0, dtype=self.config.dtype).element_size()
+        element_size = self.config.kv_cache_dtype.itemsize
         return 2 * len(self.attention_layers) * first.num_kv_heads * first.head_dim * element_size
 
     def _allocate_kv_cache(self, budget: int) -> int:
@@ -209,22 +222,28 @@ class ModelRunner:
         # NOTE: zero-filled, not empty: attention reads whole blocks and masks the unused
         # tail, and a NaN bit pattern there would survive a zero weight.
         self.kv_cache = torch.zeros(
-            (len(self.attention_layers), 2, *shape), dtype=config.dtype, device=self.device
+            (len(self.attention_layers), 2, *shape), dtype=config.kv_cache_dtype, device=self.device
         )
         for i, layer in enumerate(self.attention_layers):
             layer.key_cache, layer.value_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         if self.tp.is_first:
             logger.info(
-                "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB per rank); maximum "
+                "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB per rank, %s); maximum "
                 "concurrency at max_model_len=%d: %.2fx.",
                 num_blocks,
                 self.block_size,
                 num_blocks * self.block_size,
                 self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
+                str(config.kv_cache_dtype).removeprefix("torch."),
                 config.max_model_len,
                 num_blocks / blocks_per_seq,
             )
         return num_blocks
+
+    @property
+    def kv_cache_capacity_tokens(self) -> int:
+        """Tokens the KV cache holds: its blocks times their size."""
+        return self.num_blocks * self.block_size
 
     def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         first = self.attention_layers[0]
@@ -243,7 +262,7 @@ class ModelRunner:
         blocks_per_seq = -(-seq_len // self.block_size)
         scratch = torch.zeros(
             (2, *self._kv_cache_shape(blocks_per_seq * len(seq_lens))),
-            dtype=self.config.dtype,
+            dtype=self.config.kv_cache_dtype,
             device=self.device,
         )
         for layer in self.attention_layers:
@@ -296,7 +315,10 @@ class ModelRunner:
         )
         # kv_cache is [layers, 2 (key, value), *the backend's cache shape].
         axis = 2 + self.attention_backend.kv_cache_block_axis
-        self.kv_cache.index_copy_(axis, destination, self.kv_cache.index_select(axis, source))
+        # NOTE: as bytes, whatever the cache dtype: index_copy_ is not implemented for
+        # float8 on CPU.
+        cache = self.kv_cache.view(torch.uint8)
+        cache.index_copy_(axis, destination, cache.index_select(axis, source))
 
     @torch.inference_mode()
     def follow(self, plan: StepPlan) -> None:

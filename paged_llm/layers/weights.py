@@ -1,10 +1,12 @@
-"""Checkpoint tensors read in the parts a tensor-parallel rank keeps."""
+"""Checkpoint tensors read in the parts a tensor-parallel rank keeps, and the memory the
+loaded weights take."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from torch import nn
 
 
 class CheckpointTensor:
@@ -34,3 +36,19 @@ class CheckpointTensor:
                 f"Checkpoint weight {self.name!r} has shape {self.shape}, the model expects "
                 f"{expected}."
             )
+
+
+def weight_memory(model: nn.Module) -> dict[torch.dtype, int]:
+    """Bytes of the model's parameters and buffers by dtype, each tensor once however many
+    modules share it: what the weights take, in whatever form they are kept (packed,
+    quantized with their scales, tied)."""
+    seen: set[int] = set()
+    memory: dict[torch.dtype, int] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        # NOTE: an opaque oneDNN tensor has no storage to compare; nothing shares it.
+        key = id(tensor) if tensor.is_mkldnn else tensor.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        memory[tensor.dtype] = memory.get(tensor.dtype, 0) + tensor.numel() * tensor.element_size()
+    return memory

@@ -41,6 +41,29 @@ def test_block_sizes(block_size: int, device: str, assert_close: Callable) -> No
     assert_close(paged_attention(**batch), reference.paged_attention(**batch))
 
 
+@pytest.mark.parametrize(("dtype", "num_splits"), [(torch.float32, 1), (torch.bfloat16, 3)])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_cache_matches_reference(
+    cache_dtype: torch.dtype,
+    dtype: torch.dtype,
+    num_splits: int,
+    device: str,
+    assert_close: Callable,
+) -> None:
+    """Keys and values read from an fp8 cache with scales; the reference dequantizes them
+    first. The NaN in unused slots survives the quantization, so stray reads still show."""
+    torch.manual_seed(7)
+    k_scale, v_scale = 0.25, 3.0
+    # Decodes, a chunked prefill and a prefix hit: MIXED_* without its long prefill.
+    batch = make_batch((1, 1, 9, 3), (37, 80, 50, 16), 2, 2, 64, 16, dtype, device)
+    batch["key_cache"] = reference.quantize(batch["key_cache"], cache_dtype, k_scale)
+    batch["value_cache"] = reference.quantize(batch["value_cache"], cache_dtype, v_scale)
+    assert_close(
+        paged_attention(**batch, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale),
+        reference.paged_attention(**batch, k_scale=k_scale, v_scale=v_scale),
+    )
+
+
 @pytest.mark.parametrize("num_queries_per_kv", [1, 4])
 @pytest.mark.parametrize("sliding_window", [1, 5, 64])
 def test_sliding_window(

@@ -20,13 +20,18 @@ def test_capture_sizes_ladder() -> None:
     assert capture_sizes(3) == [1, 2, 3]
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", pytest.param("fp8", marks=pytest.mark.slow)])
 def test_padded_static_decode_batches_equal_the_plain_path(
-    tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+    kv_cache_dtype: str, tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prompts = [{"prompt_token_ids": [100 + i] * (3 + 7 * i)} for i in range(5)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     with LLM(
-        tiny_model_dir("llama"), max_model_len=128, max_num_seqs=8, attention_backend="triton"
+        tiny_model_dir("llama"),
+        max_model_len=128,
+        max_num_seqs=8,
+        attention_backend="triton",
+        kv_cache_dtype=kv_cache_dtype,
     ) as llm:
         expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         runner = llm.engine.model_runner

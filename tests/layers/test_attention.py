@@ -42,16 +42,21 @@ def _metadata_of(batch: dict, block_size: int) -> AttentionMetadata:
 
 
 def _run_backend(
-    batch: dict, block_size: int, sliding_window: int | None, backend: TorchAttentionBackend
+    batch: dict,
+    block_size: int,
+    sliding_window: int | None,
+    backend: TorchAttentionBackend,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """The backend's attention over a token-major test batch."""
     num_kv_heads, head_dim = batch["key_cache"].shape[2:]
     metadata = _metadata_of(batch, block_size)
     slots = metadata.slot_mapping
-    # This step's keys and values are those already in the cache: storing them again must
-    # change nothing.
-    key = batch["key_cache"].view(-1, num_kv_heads, head_dim)[slots].clone()
-    value = batch["value_cache"].view(-1, num_kv_heads, head_dim)[slots].clone()
+    # This step's keys and values are those already in the cache, dequantized: storing
+    # them again must change nothing.
+    key = batch["key_cache"].view(-1, num_kv_heads, head_dim)[slots].float() * k_scale
+    value = batch["value_cache"].view(-1, num_kv_heads, head_dim)[slots].float() * v_scale
     backend.setup(2 * num_kv_heads * head_dim * 4, sliding_window is not None)
     metadata.backend_data = backend.prepare(metadata)
     # The batch's caches are token-major; this backend keeps its cache head-major.
@@ -60,9 +65,21 @@ def _run_backend(
     assert key_cache.shape == backend.kv_cache_shape(
         *batch["key_cache"].shape[:2], num_kv_heads, head_dim
     )
-    return backend.forward(
-        batch["query"], key, value, key_cache, value_cache, metadata, batch["scale"], sliding_window
+    out = backend.forward(
+        batch["query"],
+        key,
+        value,
+        key_cache,
+        value_cache,
+        metadata,
+        batch["scale"],
+        sliding_window,
+        k_scale,
+        v_scale,
     )
+    for stored, given in ((key_cache, batch["key_cache"]), (value_cache, batch["value_cache"])):
+        assert torch.equal(stored.view(torch.uint8), given.permute(2, 0, 1, 3).view(torch.uint8))
+    return out
 
 
 @pytest.mark.parametrize("sliding_window", [None, 7])
@@ -87,6 +104,34 @@ def test_torch_backend_matches_reference(
     )
     expected = reference.paged_attention(**batch, sliding_window=sliding_window)
     actual = _run_backend(batch, 16, sliding_window, TorchAttentionBackend())
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_cache_matches_reference(cache_dtype: torch.dtype) -> None:
+    """An fp8 cache with scales, in a batch of decodes (five sharing a prefix, attended
+    once), prefills fresh and chunked: every query, a fresh prefill's included, attends to
+    the keys and values as the cache stores them, as the reference does."""
+    torch.manual_seed(4)
+    k_scale, v_scale = 0.3, 1.7
+    batch = make_batch(
+        (1, 1, 1, 1, 1, 1, 40, 9),
+        (100, 90, 130, 64, 70, 150, 0, 30),
+        2,
+        3,
+        64,
+        16,
+        torch.float32,
+        "cpu",
+        unused_fill=1e4,
+    )
+    batch["block_tables"][1:5, :4] = batch["block_tables"][0, :4]
+    batch["key_cache"] = reference.quantize(batch["key_cache"], cache_dtype, k_scale)
+    batch["value_cache"] = reference.quantize(batch["value_cache"], cache_dtype, v_scale)
+    backend = TorchAttentionBackend()
+    actual = _run_backend(batch, 16, None, backend, k_scale, v_scale)
+    assert backend.prepare(_metadata_of(batch, 16)).shared_prefix is not None
+    expected = reference.paged_attention(**batch, k_scale=k_scale, v_scale=v_scale)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 

@@ -61,8 +61,9 @@ class AttentionBackend(abc.ABC):
         self, kv_bytes_per_token: int, has_sliding_window: bool, batch_invariant: bool = False
     ) -> None:
         """Learn the cache geometry once the model is built: the key and value bytes of
-        one token in one layer, and whether any layer uses a sliding window; and whether
-        results must be batch-invariant (only where `supports_batch_invariance`)."""
+        one token in one layer in the model dtype (as attention reads them), and whether
+        any layer uses a sliding window; and whether results must be batch-invariant (only
+        where `supports_batch_invariance`)."""
         return None
 
     def prepare(self, metadata: AttentionMetadata) -> Any:
@@ -80,5 +81,12 @@ class AttentionBackend(abc.ABC):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
-        """query ``[T, H, D]``, key/value ``[T, Hkv, D]``; returns ``[T, H, D]``."""
+        """query ``[T, H, D]``, key/value ``[T, Hkv, D]``; returns ``[T, H, D]``.
+
+        The caches hold ``key / k_scale`` and ``value / v_scale`` in their own dtype (the
+        model's, or fp8); every query attends to the keys and values as stored, this
+        step's own included, so a token's result does not depend on whether its context
+        was computed in this step or read from the cache."""

@@ -114,6 +114,8 @@ class TorchAttentionBackend(AttentionBackend):
         # NOTE: gathers land in this reused buffer: a fresh tensor of tens of megabytes per
         # layer would be mmap'd and page-faulted in every time (4x slower, measured).
         self._workspace = torch.empty(0)
+        # An fp8 cache's blocks are gathered here first, then converted into the workspace.
+        self._fp8_workspace = torch.empty(0)
 
     def setup(
         self, kv_bytes_per_token: int, has_sliding_window: bool, batch_invariant: bool = False
@@ -246,24 +248,37 @@ class TorchAttentionBackend(AttentionBackend):
     # ----- the forward pass -------------------------------------------------------------
 
     def _gather(
-        self, key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor
+        self,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_ids: torch.Tensor,
+        dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the given blocks, ``[Hkv, *block_ids.shape[:-1], tokens, D]``."""
+        """Keys and values of the given blocks as stored, in ``dtype``,
+        ``[Hkv, *block_ids.shape[:-1], tokens, D]``."""
         num_kv_heads, num_blocks, block_size, head_dim = key_cache.shape
         # Rows of the cache seen as [Hkv * num_blocks, block_size * D]: one row per block.
         heads = torch.arange(num_kv_heads, device=block_ids.device) * num_blocks
         rows = (heads[:, None] + block_ids.reshape(1, -1)).reshape(-1)
         row_size = block_size * head_dim
         needed = 2 * rows.numel() * row_size
-        if self._workspace.numel() < needed or self._workspace.dtype != key_cache.dtype:
-            self._workspace = key_cache.new_empty(needed)
+        if self._workspace.numel() < needed or self._workspace.dtype != dtype:
+            self._workspace = key_cache.new_empty(needed, dtype=dtype)
+        converts = key_cache.dtype != dtype
+        if converts and self._fp8_workspace.numel() < needed // 2:
+            self._fp8_workspace = key_cache.new_empty(needed // 2)
         shape = (num_kv_heads, *block_ids.shape[:-1], block_ids.shape[-1] * block_size, head_dim)
         gathered = []
         for part, cache in zip(
             self._workspace[:needed].chunk(2), (key_cache, value_cache), strict=True
         ):
             out = part.view(rows.numel(), row_size)
-            torch.index_select(cache.view(-1, row_size), 0, rows, out=out)
+            if converts:
+                raw = self._fp8_workspace[: needed // 2].view(rows.numel(), row_size)
+                torch.index_select(cache.view(-1, row_size), 0, rows, out=raw)
+                out.copy_(raw)
+            else:
+                torch.index_select(cache.view(-1, row_size), 0, rows, out=out)
             gathered.append(out.view(shape))
         return gathered[0], gathered[1]
 
@@ -277,11 +292,19 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
         slots = metadata.slot_mapping
-        key_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, key.transpose(0, 1))
-        value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, value.transpose(0, 1))
+        stored_key = _quantize(key, key_cache.dtype, k_scale)
+        stored_value = _quantize(value, value_cache.dtype, v_scale)
+        _store(key_cache, stored_key, slots)
+        _store(value_cache, stored_value, slots)
+        # Attention works on K and V as stored: K's scale joins the softmax scale and V's
+        # multiplies the output.
+        scale = scale * k_scale
+        key, value = stored_key.to(query.dtype), stored_value.to(query.dtype)
         plan: _StepPlan = metadata.backend_data
         out = torch.empty_like(query)
         for seq in plan.prefills:
@@ -289,7 +312,7 @@ class TorchAttentionBackend(AttentionBackend):
                 keys = key[seq.query_slice].transpose(0, 1)
                 values = value[seq.query_slice].transpose(0, 1)
             else:
-                keys, values = self._gather(key_cache, value_cache, seq.block_ids)
+                keys, values = self._gather(key_cache, value_cache, seq.block_ids, query.dtype)
                 keys, values = keys[:, : seq.seq_len], values[:, : seq.seq_len]
             out[seq.query_slice] = _prefill_attention(
                 query[seq.query_slice], keys, values, seq, scale, sliding_window
@@ -297,14 +320,16 @@ class TorchAttentionBackend(AttentionBackend):
         shared = None
         if plan.shared_prefix is not None:
             assert sliding_window is None, "cascade attention with a sliding window"
-            keys, values = self._gather(key_cache, value_cache, plan.shared_prefix.block_ids)
+            keys, values = self._gather(
+                key_cache, value_cache, plan.shared_prefix.block_ids, query.dtype
+            )
             queries = _by_kv_head(query[plan.shared_prefix.token_idx], num_kv_heads)
             # One matmul for every member's queries against the one copy of the prefix.
             flat = queries.reshape(num_kv_heads, -1, head_dim)
             partial = _partial_attention(flat, keys, values, None, scale)
             shared = PartialAttention(*(t.view(*queries.shape[:3], -1) for t in partial))
         for chunk in plan.decode_chunks:
-            keys, values = self._gather(key_cache, value_cache, chunk.block_tables)
+            keys, values = self._gather(key_cache, value_cache, chunk.block_tables, query.dtype)
             valid = chunk.valid
             if sliding_window is not None:
                 positions = torch.arange(valid.shape[1], device=valid.device)
@@ -321,7 +346,29 @@ class TorchAttentionBackend(AttentionBackend):
                 merged = _merge(part, PartialAttention(*(t[:, chunk.shared_rows] for t in shared)))
                 output = merged.output / merged.total
             out[chunk.token_idx] = output.transpose(0, 1).reshape(-1, query.shape[1], head_dim)
-        return out
+        return out if v_scale == 1.0 else out.mul_(v_scale)
+
+
+def _quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """``x / scale`` as a cache of ``dtype`` stores it (``x`` itself where that is the
+    same): an fp8 cache saturates at its largest finite value, since float8_e4m3fn has no
+    infinity and casts a larger value to NaN."""
+    if dtype == x.dtype and scale == 1.0:
+        return x
+    scaled = x.float() * (1.0 / scale)
+    if dtype.itemsize == 1:
+        limit = torch.finfo(dtype).max
+        scaled.clamp_(-limit, limit)
+    return scaled.to(dtype)
+
+
+def _store(cache: torch.Tensor, stored: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write ``[T, Hkv, D]`` into the head-major cache at the flat ``slots``."""
+    if cache.dtype.itemsize == 1:
+        # NOTE: as bytes: index_copy_ is not implemented for float8 on CPU.
+        cache, stored = cache.view(torch.uint8), stored.view(torch.uint8)
+    num_kv_heads, head_dim = stored.shape[1], stored.shape[2]
+    cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, stored.transpose(0, 1))
 
 
 def _by_kv_head(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

@@ -31,8 +31,12 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
-        self._kernels.store_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
+        self._kernels.store_kv(
+            key, value, key_cache, value_cache, metadata.slot_mapping, k_scale, v_scale
+        )
         return self._kernels.paged_attention(
             query,
             key_cache,
@@ -44,4 +48,6 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.max_seq_len,
             scale,
             sliding_window,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
