@@ -98,6 +98,7 @@ class EngineConfig:
     # False: every prompt is scheduled whole (LLM's enable_chunked_prefill=False).
     chunked_prefill: bool
     batch_invariant: bool
+    quantization: str | None
 
     @property
     def device(self) -> torch.device:

@@ -25,7 +25,8 @@ from paged_llm.engine.sampling_metadata import build_sampling_metadata
 from paged_llm.engine.scheduler import ScheduledBatch
 from paged_llm.engine.sequence import RawLogprobs, Sequence
 from paged_llm.layers.attention import Attention, get_attention_backend
-from paged_llm.layers.linear import prepack_for_cpu, use_fixed_row_tiles
+from paged_llm.layers.linear import prepack_for_cpu, quantize_weights, use_fixed_row_tiles
+from paged_llm.layers.quantization import get_quantized_linear_method
 from paged_llm.layers.sampler import LogprobsTensors, Sampler, compute_logprobs
 from paged_llm.loader import load_weights
 from paged_llm.models import get_model_class
@@ -46,6 +47,7 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalL
         max_position=config.max_model_len,
         triton_elementwise=platform.triton_elementwise,
         tp=tp,
+        quant_method=get_quantized_linear_method(config.quantization, platform.triton_linear),
     )
     model_class = get_model_class(config.hf_config)
     with torch.device("meta"):
@@ -53,6 +55,7 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalL
     model = model.to(dtype=config.dtype).to_empty(device=platform.device)
     model.tie_weights()
     load_weights(model, config.model_dir)
+    quantize_weights(model)
     if platform.prepacks_linear_weights:
         prepack_for_cpu(model, config.dtype)
     if config.batch_invariant:

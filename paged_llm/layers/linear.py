@@ -1,5 +1,6 @@
-"""Linear layers: a oneDNN fast path on CPU, projections packed into one matmul, and
-their tensor-parallel forms (column-parallel packs, row-parallel with one all-reduce)."""
+"""Linear layers: a oneDNN fast path on CPU, projections packed into one matmul, their
+tensor-parallel forms (column-parallel packs, row-parallel with one all-reduce), and
+quantized weights through a `QuantizedLinearMethod`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paged_llm.distributed.group import TensorParallelGroup
+from paged_llm.layers.quantization import QuantizedLinearMethod
 from paged_llm.layers.weights import CheckpointTensor
 
 # Batch size oneDNN tunes a packed weight for; measured flat from 16 to 2048 rows.
@@ -37,7 +39,8 @@ def onednn_linear_available(dtype: torch.dtype) -> bool:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that can run from a oneDNN-packed copy of its weight on CPU.
+    """``nn.Linear`` that can run from a oneDNN-packed copy of its weight on CPU, or from
+    a quantized weight that its ``quant_method`` keeps.
 
     torch's CPU matmul goes through MKL, which on AMD processors takes a generic code path:
     measured on a 2-core Zen 5, float32 GEMMs of this model's shapes ran at 110-200
@@ -48,6 +51,21 @@ class Linear(nn.Linear):
     # Rows per matmul call when results must not depend on the batch (see
     # `use_fixed_row_tiles`); None runs the whole batch in one call.
     row_tile: int | None = None
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        quant_method: QuantizedLinearMethod | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.quant_method = quant_method
+
+    def row_absmax(self, weight: torch.Tensor) -> torch.Tensor:
+        """Each output row's largest magnitude over the whole checkpoint row (this rank
+        holds whole rows; `RowParallelLinear` holds some columns of each)."""
+        return weight.abs().amax(dim=1)
 
     def prepack(self, keep_dense_weight: bool) -> None:
         """Pack the weight for oneDNN; drop the dense copy unless another module shares it."""
@@ -69,6 +87,8 @@ class Linear(nn.Linear):
         return torch.cat([self._matmul_call(rows, bias) for rows in padded.split(tile)])[:num_rows]
 
     def _matmul_call(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
@@ -82,8 +102,16 @@ def prepack_for_cpu(model: nn.Module, dtype: torch.dtype) -> None:
     for _, param in model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, Linear) and module.quant_method is None:
             module.prepack(keep_dense_weight=uses[id(module.weight)] > 1)
+
+
+def quantize_weights(model: nn.Module) -> None:
+    """Replace the loaded float weight of every `Linear` that has a quantization method
+    by that method's tensors."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.quant_method is not None:
+            module.quant_method.process_weights_after_loading(module)
 
 
 # A GEMM library picks its kernel, and with it the order of each row's additions, from
@@ -130,8 +158,14 @@ class PackedLinear(Linear):
     rank's rows of one of them into its place in the packed weight.
     """
 
-    def __init__(self, in_features: int, shards: list[RowShard], bias: bool) -> None:
-        super().__init__(in_features, sum(shard.size for shard in shards), bias=bias)
+    def __init__(
+        self,
+        in_features: int,
+        shards: list[RowShard],
+        bias: bool,
+        quant_method: QuantizedLinearMethod | None = None,
+    ) -> None:
+        super().__init__(in_features, sum(shard.size for shard in shards), bias, quant_method)
         self.shards = shards
         self.output_sizes = [shard.size for shard in shards]
         self.offsets = [sum(self.output_sizes[:i]) for i in range(len(shards))]
@@ -162,10 +196,18 @@ class RowParallelLinear(Linear):
     and MLP down projections): each rank multiplies its share, one all-reduce sums them."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TensorParallelGroup,
+        quant_method: QuantizedLinearMethod | None = None,
     ) -> None:
-        super().__init__(in_features // tp.size, out_features, bias=bias)
+        super().__init__(in_features // tp.size, out_features, bias, quant_method)
         self.tp = tp
+
+    def row_absmax(self, weight: torch.Tensor) -> torch.Tensor:
+        return self.tp.max_over_ranks(super().row_absmax(weight))
 
     def load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard: int | None) -> None:
         if param is self.weight:
