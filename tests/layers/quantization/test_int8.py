@@ -66,7 +66,12 @@ def int8_references(
 
 @pytest.mark.parametrize(
     ("arch", "group"),
-    [(arch, "default") for arch in TINY_MODELS]
+    # Llama in the default run; the other architectures (10-15 s each, most of it the
+    # transformers reference) in the slow one.
+    [
+        pytest.param(arch, "default", marks=() if arch == "llama" else pytest.mark.slow)
+        for arch in TINY_MODELS
+    ]
     + [("llama", "chunked-prefill+preemption"), ("qwen2", "prefix-hits")],
 )
 def test_greedy_matches_transformers_with_dequantized_weights(
