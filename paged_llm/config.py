@@ -10,6 +10,7 @@ import torch
 
 from paged_llm.engine_args import EngineArgs
 from paged_llm.layers.attention import ATTENTION_BACKENDS
+from paged_llm.model_files.gguf_quantized import gguf_source
 from paged_llm.platforms import Platform, get_platform
 
 _DTYPES = {
@@ -213,6 +214,11 @@ class EngineConfig:
         )
         if args.batch_invariant:
             _check_batch_invariance(attention_backend, args.tensor_parallel_size)
+        if args.quantization == "gguf" and gguf_source(model_dir) is None:
+            raise ValueError(
+                f"LLM argument quantization='gguf' keeps a .gguf file's weights quantized; "
+                f"{model_dir} was not made from one. Pass the .gguf file as the model."
+            )
         resolved = {
             "model_dir": model_dir,
             "hf_config": hf_config,

@@ -258,9 +258,11 @@ class EngineArgs:
     quantization: str | None = _honoured(
         None,
         "The format of the decoder layers' linear weights: None keeps the checkpoint's "
-        'float weights; "int8" quantizes them at load time to int8 with one scale per '
-        "output channel (weight-only: activations stay in dtype; the embedding and LM head "
-        "stay float). See docs/quantization.md.",
+        'float weights (a .gguf file dequantized exactly to float); "int8" quantizes them '
+        'at load time to int8 with one scale per output channel; "gguf" keeps a .gguf '
+        "file's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights quantized and dequantizes "
+        "them in each matmul. Weight-only: activations stay in dtype; the embedding and LM "
+        "head stay float. See docs/quantization.md.",
         cli=_FLAG,
         accepts=(None, *QUANTIZATION_METHODS),
     )

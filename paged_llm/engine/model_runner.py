@@ -28,7 +28,8 @@ from paged_llm.layers.attention import Attention, get_attention_backend
 from paged_llm.layers.linear import prepack_for_cpu, quantize_weights, use_fixed_row_tiles
 from paged_llm.layers.quantization import get_quantized_linear_method
 from paged_llm.layers.sampler import LogprobsTensors, Sampler, compute_logprobs
-from paged_llm.loader import load_weights
+from paged_llm.loader import load_quantized_weights, load_weights
+from paged_llm.model_files.gguf_quantized import gguf_source, quantized_projections
 from paged_llm.models import get_model_class
 from paged_llm.models.context import ModelContext
 from paged_llm.models.llama import LlamaForCausalLM
@@ -55,6 +56,10 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalL
     model = model.to(dtype=config.dtype).to_empty(device=platform.device)
     model.tie_weights()
     load_weights(model, config.model_dir)
+    if config.quantization == "gguf":
+        source = gguf_source(config.model_dir)
+        assert source is not None  # NOTE: EngineConfig.create checked it
+        load_quantized_weights(model, quantized_projections(source, config.hf_config))
     quantize_weights(model)
     if platform.prepacks_linear_weights:
         prepack_for_cpu(model, config.dtype)

@@ -13,6 +13,7 @@ from torch import nn
 
 from paged_llm.distributed.group import TensorParallelGroup
 from paged_llm.layers.quantization import QuantizedLinearMethod
+from paged_llm.layers.quantization.grouped import GroupQuantizedWeight
 from paged_llm.layers.weights import CheckpointTensor
 
 # Batch size oneDNN tunes a packed weight for; measured flat from 16 to 2048 rows.
@@ -61,6 +62,21 @@ class Linear(nn.Linear):
     ) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.quant_method = quant_method
+        # Group-quantized weights by checkpoint shard, for a `GroupQuantizedLinearMethod`.
+        self.quantized_pieces: dict[int, GroupQuantizedWeight] = {}
+
+    @property
+    def num_checkpoint_shards(self) -> int | None:
+        """How many checkpoint tensors fill the weight; None: one, under the layer's name."""
+        return None
+
+    def checkpoint_part(
+        self, loaded: CheckpointTensor, shard: int | None
+    ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+        """The ``(rows, cols)`` of checkpoint weight ``loaded`` this rank keeps, each a
+        ``(start, size)`` or None for all of them; a ValueError if its shape does not fit."""
+        loaded.check_shape((self.out_features, self.in_features))
+        return None, None
 
     def row_absmax(self, weight: torch.Tensor) -> torch.Tensor:
         """Each output row's largest magnitude over the whole checkpoint row (this rank
@@ -174,20 +190,29 @@ class PackedLinear(Linear):
     def num_checkpoint_shards(self) -> int:
         return len(self.shards)
 
-    def load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard: int | None) -> None:
+    def checkpoint_part(
+        self, loaded: CheckpointTensor, shard: int | None
+    ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+        part, _ = self._row_part(loaded, shard)
+        return (part.start, part.size), None
+
+    def _row_part(self, loaded: CheckpointTensor, shard: int | None) -> tuple[RowShard, int]:
+        """This rank's rows of projection ``shard``, and their offset in the packed weight."""
         if shard is None:
             raise ValueError(
                 f"Checkpoint weight {loaded.name!r} is already packed; paged_llm loads the "
                 "separate projections (q_proj, k_proj, v_proj, gate_proj, up_proj)."
             )
-        index = shard
-        part = self.shards[index]
+        part = self.shards[shard]
         if loaded.shape[0] < part.start + part.size:
             raise ValueError(
                 f"Checkpoint weight {loaded.name!r} has {loaded.shape[0]} rows, the model "
                 f"expects at least {part.start + part.size}."
             )
-        offset = self.offsets[index]
+        return part, self.offsets[shard]
+
+    def load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard: int | None) -> None:
+        part, offset = self._row_part(loaded, shard)
         param.data[offset : offset + part.size].copy_(loaded.read(rows=(part.start, part.size)))
 
 
@@ -209,10 +234,16 @@ class RowParallelLinear(Linear):
     def row_absmax(self, weight: torch.Tensor) -> torch.Tensor:
         return self.tp.max_over_ranks(super().row_absmax(weight))
 
+    def checkpoint_part(
+        self, loaded: CheckpointTensor, shard: int | None
+    ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+        loaded.check_shape((self.out_features, self.in_features * self.tp.size))
+        return None, (self.tp.rank * self.in_features, self.in_features)
+
     def load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard: int | None) -> None:
         if param is self.weight:
-            loaded.check_shape((self.out_features, self.in_features * self.tp.size))
-            param.data.copy_(loaded.read(cols=(self.tp.rank * self.in_features, self.in_features)))
+            _, cols = self.checkpoint_part(loaded, shard)
+            param.data.copy_(loaded.read(cols=cols))
         else:
             loaded.check_shape(tuple(param.shape))
             param.data.copy_(loaded.read())

@@ -9,11 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from paged_llm.layers.quantization.base import QuantizedLinearMethod
+from paged_llm.layers.quantization.grouped import GroupQuantizedLinearMethod
 from paged_llm.layers.quantization.int8 import Int8LinearMethod
 
 # name -> the method, built with whether its matmuls run through Triton.
 QUANTIZATION_METHODS: dict[str, Callable[[bool], QuantizedLinearMethod]] = {
     "int8": Int8LinearMethod,
+    # Dequantizes with torch ops on every device (a Triton kernel is still to come).
+    "gguf": lambda triton: GroupQuantizedLinearMethod(),
 }
 
 
