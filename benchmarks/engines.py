@@ -65,6 +65,10 @@ class EngineOptions:
     batch_invariant: bool = False
     # paged_llm only: "json" constrains every request with `STRUCTURED_JSON_SCHEMA`.
     structured: str | None = None
+    # paged_llm only: LLM(quantization=...).
+    quantization: str | None = None
+    # paged_llm only: after the timed run, also measure `benchmarks.perplexity`.
+    measure_perplexity: bool = False
 
 
 # Records with bounded fields, at least 10,000 of them: no request of a benchmark can finish
@@ -104,6 +108,9 @@ class EngineRun:
     # Seconds rank 0 waited in tensor-parallel collectives during the timed run.
     collective_seconds: float | None = None
     settings: dict[str, Any] = field(default_factory=dict)
+    # paged_llm only: rank 0's weights in MiB, and the perplexity when asked for.
+    weight_mib: float | None = None
+    perplexity: float | None = None
 
 
 class Engine(ABC):
@@ -127,6 +134,10 @@ class Engine(ABC):
         """The engine's effective batching settings, for the report."""
         return {}
 
+    def quality(self, measure_perplexity: bool) -> dict[str, float]:
+        """Weight memory (``weight_mib``) and perplexity, where the engine reports them."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 - engines without resources to free skip it
         """Free what the engine holds."""
 
@@ -148,6 +159,7 @@ class PagedLLMEngine(Engine):
             tensor_parallel_size=options.tensor_parallel_size,
             data_parallel_size=options.data_parallel_size,
             batch_invariant=options.batch_invariant,
+            quantization=options.quantization,
         )
         self.structured = options.structured
 
@@ -174,7 +186,21 @@ class PagedLLMEngine(Engine):
             "tensor_parallel_size": config.tensor_parallel_size,
             "data_parallel_size": config.data_parallel_size,
             "batch_invariant": config.batch_invariant,
+            "quantization": config.quantization,
+            "dtype": str(config.dtype).removeprefix("torch."),
         }
+
+    def quality(self, measure_perplexity: bool) -> dict[str, float]:
+        from benchmarks.perplexity import perplexity, text_token_ids
+        from paged_llm.layers.linear import weight_bytes
+
+        measured = {"weight_mib": weight_bytes(self.llm.engine.model_runner.model) / 2**20}
+        if measure_perplexity:
+            # Windows of the usual 256 tokens where the workload's max_model_len allows
+            # (a window's prompt leaves room for its one generated token).
+            window = min(256, self.llm.config.max_model_len - 1)
+            measured["perplexity"] = perplexity(self.llm, text_token_ids(self.llm), window)
+        return measured
 
     def close(self) -> None:
         self.llm.shutdown()
@@ -428,6 +454,7 @@ def run_engine(name: str, options: EngineOptions, workload: Workload) -> EngineR
         after = engine.counters()
         settings = engine.settings()
         computed = engine.computed_output_tokens(workload.requests)
+        quality = engine.quality(options.measure_perplexity)
     finally:
         engine.close()
     for index, (tokens, request) in enumerate(zip(token_ids, workload.requests, strict=True)):
@@ -452,6 +479,8 @@ def run_engine(name: str, options: EngineOptions, workload: Workload) -> EngineR
         num_steps=delta.get("num_steps"),
         collective_seconds=delta.get("collective_seconds"),
         settings=settings,
+        weight_mib=quality.get("weight_mib"),
+        perplexity=quality.get("perplexity"),
     )
 
 

@@ -122,6 +122,19 @@ def prepack_for_cpu(model: nn.Module, dtype: torch.dtype) -> None:
             module.prepack(keep_dense_weight=uses[id(module.weight)] > 1)
 
 
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights take on this rank, in whatever form they are kept (float,
+    oneDNN-packed or quantized); a tensor shared by two modules counts once."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    for module in model.modules():
+        if isinstance(module, Linear):
+            if module.packed_weight is not None:
+                tensors[id(module.packed_weight)] = module.packed_weight
+            for piece in module.quantized_pieces.values():
+                tensors.update((id(t), t) for t in piece.tensors)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def quantize_weights(model: nn.Module) -> None:
     """Replace the loaded float weight of every `Linear` that has a quantization method
     by that method's tensors."""

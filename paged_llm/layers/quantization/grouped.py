@@ -83,9 +83,8 @@ class GroupQuantizedWeight:
         )
 
     @property
-    def nbytes(self) -> int:
-        tensors = [self.codes, self.scale] + ([] if self.offset is None else [self.offset])
-        return sum(t.numel() * t.element_size() for t in tensors)
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.codes, self.scale] + ([] if self.offset is None else [self.offset])
 
 
 class GroupQuantizedTensor(CheckpointTensor):
