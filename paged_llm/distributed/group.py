@@ -71,14 +71,6 @@ class TensorParallelGroup:
         self._group.allreduce([tensor], opts).wait()
         return int(tensor.item())
 
-    def max_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The element-wise largest of every rank's ``tensor``, in place."""
-        if self._group is not None:
-            opts = dist.AllreduceOptions()
-            opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
-            self._run(self._group.allreduce([tensor], opts))
-        return tensor
-
     def gather_to_first(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """Every rank's ``tensor`` concatenated along the last dimension, on rank 0 only."""
         if self._group is None:

@@ -25,7 +25,11 @@ from paged_llm.engine.sampling_metadata import build_sampling_metadata
 from paged_llm.engine.scheduler import ScheduledBatch
 from paged_llm.engine.sequence import RawLogprobs, Sequence
 from paged_llm.layers.attention import Attention, get_attention_backend
-from paged_llm.layers.linear import prepack_for_cpu, quantize_weights, use_fixed_row_tiles
+from paged_llm.layers.linear import (
+    prepack_for_cpu,
+    process_weights_after_loading,
+    use_fixed_row_tiles,
+)
 from paged_llm.layers.quantization import get_quantized_linear_method
 from paged_llm.layers.sampler import LogprobsTensors, Sampler, compute_logprobs
 from paged_llm.loader import load_quantized_weights, load_weights
@@ -60,7 +64,7 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalL
         source = gguf_source(config.model_dir)
         assert source is not None  # NOTE: EngineConfig.create checked it
         load_quantized_weights(model, quantized_projections(source, config.hf_config))
-    quantize_weights(model)
+    process_weights_after_loading(model)
     if platform.prepacks_linear_weights:
         prepack_for_cpu(model, config.dtype)
     if config.batch_invariant:

@@ -39,6 +39,16 @@ def onednn_linear_available(dtype: torch.dtype) -> bool:
         return False
 
 
+@dataclass(frozen=True, slots=True)
+class CheckpointPart:
+    """The part of one checkpoint weight a rank keeps: its ``rows`` and ``cols`` (each a
+    ``(start, size)``, None for all of them), and the rows of the layer's weight they fill."""
+
+    rows: tuple[int, int] | None
+    cols: tuple[int, int] | None
+    out_rows: slice
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` that can run from a oneDNN-packed copy of its weight on CPU, or from
     a quantized weight that its ``quant_method`` keeps.
@@ -64,24 +74,34 @@ class Linear(nn.Linear):
         self.quant_method = quant_method
         # Group-quantized weights by checkpoint shard, for a `GroupQuantizedLinearMethod`.
         self.quantized_pieces: dict[int, GroupQuantizedWeight] = {}
+        if quant_method is not None:
+            quant_method.create_weights(self)
 
     @property
     def num_checkpoint_shards(self) -> int | None:
         """How many checkpoint tensors fill the weight; None: one, under the layer's name."""
         return None
 
-    def checkpoint_part(
-        self, loaded: CheckpointTensor, shard: int | None
-    ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
-        """The ``(rows, cols)`` of checkpoint weight ``loaded`` this rank keeps, each a
-        ``(start, size)`` or None for all of them; a ValueError if its shape does not fit."""
+    def checkpoint_part(self, loaded: CheckpointTensor, shard: int | None) -> CheckpointPart:
+        """What this rank keeps of checkpoint weight ``loaded``; a ValueError if its shape
+        does not fit."""
         loaded.check_shape((self.out_features, self.in_features))
-        return None, None
+        return CheckpointPart(None, None, slice(None))
 
-    def row_absmax(self, weight: torch.Tensor) -> torch.Tensor:
-        """Each output row's largest magnitude over the whole checkpoint row (this rank
-        holds whole rows; `RowParallelLinear` holds some columns of each)."""
-        return weight.abs().amax(dim=1)
+    def load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard: int | None) -> None:
+        if param is self.weight:
+            self.store_weight(loaded, self.checkpoint_part(loaded, shard))
+        else:
+            loaded.check_shape(tuple(param.shape))
+            param.data.copy_(loaded.read())
+
+    def store_weight(self, loaded: CheckpointTensor, part: CheckpointPart) -> None:
+        """Fill ``part.out_rows`` of the weight from a float checkpoint weight, in the
+        layer's format."""
+        if self.quant_method is not None:
+            self.quant_method.load_weight(self, loaded, part)
+        else:
+            self.weight.data[part.out_rows].copy_(loaded.read(rows=part.rows, cols=part.cols))
 
     def prepack(self, keep_dense_weight: bool) -> None:
         """Pack the weight for oneDNN; drop the dense copy unless another module shares it."""
@@ -135,9 +155,8 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def quantize_weights(model: nn.Module) -> None:
-    """Replace the loaded float weight of every `Linear` that has a quantization method
-    by that method's tensors."""
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let every quantized `Linear`'s method check or finish what loading gave it."""
     for module in model.modules():
         if isinstance(module, Linear) and module.quant_method is not None:
             module.quant_method.process_weights_after_loading(module)
@@ -203,14 +222,7 @@ class PackedLinear(Linear):
     def num_checkpoint_shards(self) -> int:
         return len(self.shards)
 
-    def checkpoint_part(
-        self, loaded: CheckpointTensor, shard: int | None
-    ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
-        part, _ = self._row_part(loaded, shard)
-        return (part.start, part.size), None
-
-    def _row_part(self, loaded: CheckpointTensor, shard: int | None) -> tuple[RowShard, int]:
-        """This rank's rows of projection ``shard``, and their offset in the packed weight."""
+    def checkpoint_part(self, loaded: CheckpointTensor, shard: int | None) -> CheckpointPart:
         if shard is None:
             raise ValueError(
                 f"Checkpoint weight {loaded.name!r} is already packed; paged_llm loads the "
@@ -222,11 +234,15 @@ class PackedLinear(Linear):
                 f"Checkpoint weight {loaded.name!r} has {loaded.shape[0]} rows, the model "
                 f"expects at least {part.start + part.size}."
             )
-        return part, self.offsets[shard]
+        offset = self.offsets[shard]
+        return CheckpointPart((part.start, part.size), None, slice(offset, offset + part.size))
 
     def load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard: int | None) -> None:
-        part, offset = self._row_part(loaded, shard)
-        param.data[offset : offset + part.size].copy_(loaded.read(rows=(part.start, part.size)))
+        part = self.checkpoint_part(loaded, shard)
+        if param is self.weight:
+            self.store_weight(loaded, part)
+        else:
+            param.data[part.out_rows].copy_(loaded.read(rows=part.rows))
 
 
 class RowParallelLinear(Linear):
@@ -244,22 +260,11 @@ class RowParallelLinear(Linear):
         super().__init__(in_features // tp.size, out_features, bias, quant_method)
         self.tp = tp
 
-    def row_absmax(self, weight: torch.Tensor) -> torch.Tensor:
-        return self.tp.max_over_ranks(super().row_absmax(weight))
-
-    def checkpoint_part(
-        self, loaded: CheckpointTensor, shard: int | None
-    ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    def checkpoint_part(self, loaded: CheckpointTensor, shard: int | None) -> CheckpointPart:
         loaded.check_shape((self.out_features, self.in_features * self.tp.size))
-        return None, (self.tp.rank * self.in_features, self.in_features)
-
-    def load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard: int | None) -> None:
-        if param is self.weight:
-            _, cols = self.checkpoint_part(loaded, shard)
-            param.data.copy_(loaded.read(cols=cols))
-        else:
-            loaded.check_shape(tuple(param.shape))
-            param.data.copy_(loaded.read())
+        return CheckpointPart(
+            None, (self.tp.rank * self.in_features, self.in_features), slice(None)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -13,9 +13,12 @@ import torch.nn.functional as F
 gguf = pytest.importorskip("gguf")
 
 from paged_llm import LLM, SamplingParams  # noqa: E402
-from paged_llm.layers.linear import PackedLinear, RowShard, quantize_weights  # noqa: E402
+from paged_llm.layers.linear import PackedLinear, RowShard, process_weights_after_loading  # noqa: E402
 from paged_llm.layers.quantization import get_quantized_linear_method  # noqa: E402
-from paged_llm.layers.quantization.grouped import GroupQuantizedTensor  # noqa: E402
+from paged_llm.layers.quantization.grouped import (  # noqa: E402
+    GroupQuantizedLinearMethod,
+    GroupQuantizedTensor,
+)
 from paged_llm.model_files import resolve_model  # noqa: E402
 from paged_llm.model_files.gguf_quantized import KEPT_QUANTIZED_TYPES, repack  # noqa: E402
 from tests.conftest import hf_greedy  # noqa: E402
@@ -65,12 +68,13 @@ def test_a_layer_multiplies_projections_of_different_types() -> None:
     """A GGUF file may give q, k and v different types (Q4_K_M mixes Q4_K and Q6_K)."""
     types = ["Q4_K", "Q6_K"]
     blocks = [gguf_blocks(name, 8, 256, seed) for seed, name in enumerate(types)]
-    layer = PackedLinear(256, [RowShard(0, 8), RowShard(0, 8)], False)
-    layer.quant_method = get_quantized_linear_method("gguf", triton=False)
+    method = get_quantized_linear_method("gguf", triton=False)
+    assert isinstance(method, GroupQuantizedLinearMethod)
+    layer = PackedLinear(256, [RowShard(0, 8), RowShard(0, 8)], False, method)
     for shard, (name, raw) in enumerate(zip(types, blocks, strict=True)):
         tensor = GroupQuantizedTensor(f"p{shard}", repack(raw, name, (8, 256)))
-        layer.quant_method.load_quantized(layer, tensor, shard)
-    quantize_weights(layer)
+        method.load_quantized(layer, tensor, shard)
+    process_weights_after_loading(layer)
     x = torch.randn(3, 256)
     dequantized = [gguf_dequantized(raw, name) for name, raw in zip(types, blocks, strict=True)]
     expected = F.linear(x, torch.cat(dequantized))

@@ -14,7 +14,7 @@ from paged_llm.layers.quantization.base import QuantizedLinearMethod
 from paged_llm.layers.weights import CheckpointTensor
 
 if TYPE_CHECKING:
-    from paged_llm.layers.linear import Linear
+    from paged_llm.layers.linear import CheckpointPart, Linear
 
 
 @dataclass(frozen=True)
@@ -109,12 +109,19 @@ class GroupQuantizedLinearMethod(QuantizedLinearMethod):
     matmul dequantizes them into one float weight and multiplies by it.
     """
 
+    def create_weights(self, layer: Linear) -> None:
+        # An empty placeholder: the weight arrives as pieces, through `load_quantized`.
+        layer.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+
+    def load_weight(self, layer: Linear, loaded: CheckpointTensor, part: CheckpointPart) -> None:
+        """The float copy of a weight that arrives quantized is not read."""
+
     def load_quantized(
         self, layer: Linear, loaded: GroupQuantizedTensor, shard: int | None
     ) -> None:
         """Keep this rank's part of one checkpoint tensor as piece ``shard`` of the layer."""
-        rows, cols = layer.checkpoint_part(loaded, shard)
-        piece = loaded.read_quantized(rows, cols).to(layer.weight.device)
+        part = layer.checkpoint_part(loaded, shard)
+        piece = loaded.read_quantized(part.rows, part.cols).to(layer.weight.device)
         layer.quantized_pieces[shard or 0] = piece
 
     def process_weights_after_loading(self, layer: Linear) -> None:
@@ -126,7 +133,6 @@ class GroupQuantizedLinearMethod(QuantizedLinearMethod):
                 "a quantized tensor in the GGUF file."
             )
         layer.quantized_pieces = dict(sorted(layer.quantized_pieces.items()))
-        layer.weight = nn.Parameter(layer.weight.new_empty(0), requires_grad=False)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         pieces = layer.quantized_pieces.values()

@@ -11,18 +11,16 @@ from paged_llm.layers.kernels import triton_kernels
 from paged_llm.layers.quantization.base import QuantizedLinearMethod
 
 if TYPE_CHECKING:
-    from paged_llm.layers.linear import Linear
+    from paged_llm.layers.linear import CheckpointPart, Linear
+    from paged_llm.layers.weights import CheckpointTensor
 
 INT8_MAX = 127
 
 
-def quantize_int8(weight: torch.Tensor, absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 rows of ``weight`` and their scales, ``absmax / 127`` per row.
-
-    ``absmax`` is each row's largest magnitude over the whole checkpoint row, of which
-    ``weight`` may hold only some columns (a row-parallel shard), so every rank quantizes
-    its part with the scale the whole row gets. An all-zero row gets scale 1.
-    """
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 rows of float32 ``weight`` and their scales, the row's largest
+    magnitude / 127 (1 for an all-zero row)."""
+    absmax = weight.abs().amax(dim=1)
     scale = torch.where(absmax > 0, absmax / INT8_MAX, torch.ones_like(absmax))
     quantized = torch.round(weight / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX)
     return quantized.to(torch.int8), scale
@@ -40,16 +38,25 @@ class Int8LinearMethod(QuantizedLinearMethod):
     def __init__(self, triton: bool) -> None:
         self.triton = triton
 
-    def process_weights_after_loading(self, layer: Linear) -> None:
-        weight = layer.weight.detach()
-        quantized, scale = quantize_int8(weight.float(), layer.row_absmax(weight.float()))
-        layer.register_buffer("qweight", quantized)
-        # NOTE: scales in the activations' dtype: both kernels take them so.
-        layer.register_buffer("weight_scale", scale.to(weight.dtype))
-        layer.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
+    def create_weights(self, layer: Linear) -> None:
+        shape = (layer.out_features, layer.in_features)
+        layer.weight = nn.Parameter(torch.empty(shape, dtype=torch.int8), requires_grad=False)
+        # NOTE: a float buffer, so the model's dtype reaches it: both kernels take the
+        # scales in the activations' dtype.
+        layer.register_buffer("weight_scale", torch.empty(layer.out_features))
+
+    def load_weight(self, layer: Linear, loaded: CheckpointTensor, part: CheckpointPart) -> None:
+        # Whole checkpoint rows, even where this rank keeps some of their columns: each
+        # row's scale is the whole row's, so every rank quantizes as a single rank would.
+        quantized, scale = quantize_int8(loaded.read(rows=part.rows).float())
+        if part.cols is not None:
+            start, size = part.cols
+            quantized = quantized[:, start : start + size]
+        layer.weight.data[part.out_rows].copy_(quantized)
+        layer.get_buffer("weight_scale")[part.out_rows] = scale
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        qweight, scale = layer.get_buffer("qweight"), layer.get_buffer("weight_scale")
+        qweight, scale = layer.weight, layer.get_buffer("weight_scale")
         if self.triton:
             out = triton_kernels().int8_weight_matmul(x, qweight, scale)
         else:

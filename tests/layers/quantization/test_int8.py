@@ -16,8 +16,9 @@ import torch
 import transformers
 
 from paged_llm import LLM, SamplingParams
-from paged_llm.layers.linear import Linear, quantize_weights
+from paged_llm.layers.linear import Linear
 from paged_llm.layers.quantization import get_quantized_linear_method
+from paged_llm.layers.weights import CheckpointTensor
 from tests.conftest import TINY_MODELS, hf_greedy
 from tests.models.test_parity import (
     MAX_TOKENS,
@@ -125,25 +126,32 @@ def test_logprobs_and_n_match_the_dequantized_reference(
         )
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_the_triton_kernel_and_torchs_int8_op_agree_in_a_layer(bias: bool) -> None:
-    """Under the interpreter on CPU: the CUDA path's wiring (scales, bias) against CPU's."""
+def int8_layer(weight: torch.Tensor, bias: torch.Tensor | None, triton: bool) -> Linear:
+    out_features, in_features = weight.shape
+    method = get_quantized_linear_method("int8", triton)
+    layer = Linear(in_features, out_features, bias is not None, method)
+    layer.load_weight(layer.weight, CheckpointTensor("weight", weight), None)
+    if bias is not None:
+        layer.load_weight(layer.bias, CheckpointTensor("bias", bias), None)
+    return layer
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_layer_multiplies_by_its_dequantized_weight_on_either_kernel(with_bias: bool) -> None:
+    """torch's int8 op, and the CUDA path's Triton kernel (under the interpreter here),
+    against a float matmul with the round-tripped weight."""
     torch.manual_seed(0)
-    layers = []
+    weight, x = torch.randn(96, 80), torch.randn(5, 80)
+    bias = torch.randn(96) if with_bias else None
+    expected = torch.nn.functional.linear(x, int8_round_trip(weight), bias)
     for triton in (False, True):
-        torch.manual_seed(0)
-        layer = Linear(80, 96, bias, get_quantized_linear_method("int8", triton))
-        quantize_weights(layer)
-        layers.append(layer)
-    x = torch.randn(5, 80)
-    with torch.no_grad():
-        cpu, cuda_path = (layer(x) for layer in layers)
-    torch.testing.assert_close(cuda_path, cpu, atol=1e-5, rtol=1e-5)
+        with torch.no_grad():
+            actual = int8_layer(weight, bias, triton)(x)
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_int8_layers_keep_a_quarter_of_the_float32_weight_bytes() -> None:
-    layer = Linear(256, 512, False, get_quantized_linear_method("int8", False))
-    quantize_weights(layer)
+    layer = int8_layer(torch.randn(512, 256), None, triton=False)
     held = sum(t.numel() * t.element_size() for t in [*layer.parameters(), *layer.buffers()])
     assert held == 256 * 512 + 512 * 4
 
