@@ -120,6 +120,7 @@ def test_greedy_and_logprobs_match_transformers_on_ggufs_dequantized_weights(
         torch.testing.assert_close(actual, reference_logprobs[position - 1, token].item())
 
 
+@pytest.mark.slow  # two rank processes: 11 s
 def test_two_ranks_split_the_quantized_weights(
     quantized_gguf: Callable[[str, str], Path], cache: Path
 ) -> None:
