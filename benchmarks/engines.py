@@ -71,6 +71,9 @@ class EngineOptions:
     measure_perplexity: bool = False
 
 
+# benchmarks.perplexity's default window.
+PERPLEXITY_WINDOW = 256
+
 # Records with bounded fields, at least 10,000 of them: no request of a benchmark can finish
 # the array, so each still runs to exactly its max_tokens, and every token is masked.
 STRUCTURED_JSON_SCHEMA = {
@@ -152,7 +155,10 @@ class PagedLLMEngine(Engine):
             options.model_dir,
             dtype=options.dtype,
             device=options.device,
-            max_model_len=options.max_model_len,
+            # Room for perplexity's 256-token windows, whatever the workload's lengths.
+            max_model_len=max(options.max_model_len, PERPLEXITY_WINDOW + 1)
+            if options.measure_perplexity
+            else options.max_model_len,
             max_num_seqs=options.max_num_seqs,
             max_num_batched_tokens=options.max_num_batched_tokens,
             enable_prefix_caching=options.enable_prefix_caching,
@@ -196,10 +202,8 @@ class PagedLLMEngine(Engine):
 
         measured = {"weight_mib": weight_bytes(self.llm.engine.model_runner.model) / 2**20}
         if measure_perplexity:
-            # Windows of the usual 256 tokens where the workload's max_model_len allows
-            # (a window's prompt leaves room for its one generated token).
-            window = min(256, self.llm.config.max_model_len - 1)
-            measured["perplexity"] = perplexity(self.llm, text_token_ids(self.llm), window)
+            tokens = text_token_ids(self.llm)
+            measured["perplexity"] = perplexity(self.llm, tokens, PERPLEXITY_WINDOW)
         return measured
 
     def close(self) -> None:
