@@ -189,6 +189,11 @@ def test_throughput_runs_structured_json_beside_the_unconstrained_run(
 
 
 @pytest.mark.slow
+def test_linear_kernels_times_every_weight_format() -> None:
+    run_module("benchmarks.linear_kernels", "--rows", "1", "--repeats", "1")
+
+
+@pytest.mark.slow
 def test_throughput_runs_quantized_weights_beside_float_with_memory_and_perplexity(
     tiny_model_dir: Callable[[str], Path], tmp_path: Path
 ) -> None:
