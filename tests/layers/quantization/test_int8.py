@@ -89,6 +89,7 @@ def test_greedy_matches_transformers_with_dequantized_weights(
         check_scenario(scenario, outputs, metrics, expected)
 
 
+@pytest.mark.slow  # two rank processes: 16 s
 def test_two_ranks_quantize_each_row_with_its_whole_row_scale(
     tiny_model_dir: Callable[[str], Path],
     int8_references: Callable[[str, bool], tuple[list[list[int]], list[list[int]]]],
