@@ -67,6 +67,10 @@ class EngineOptions:
     kv_cache_dtype: str = "auto"
     # paged_llm only: "json" constrains every request with `STRUCTURED_JSON_SCHEMA`.
     structured: str | None = None
+    # paged_llm only: LLM(quantization=...).
+    quantization: str | None = None
+    # paged_llm only: after the timed run, also measure `benchmarks.perplexity`.
+    measure_perplexity: bool = False
 
 
 # Records with bounded fields, at least 10,000 of them: no request of a benchmark can finish
@@ -106,6 +110,9 @@ class EngineRun:
     # Seconds rank 0 waited in tensor-parallel collectives during the timed run.
     collective_seconds: float | None = None
     settings: dict[str, Any] = field(default_factory=dict)
+    # paged_llm only: rank 0's weights in MiB, and the perplexity when asked for.
+    weight_mib: float | None = None
+    perplexity: float | None = None
 
 
 class Engine(ABC):
@@ -129,6 +136,10 @@ class Engine(ABC):
         """The engine's effective batching settings, for the report."""
         return {}
 
+    def quality(self, measure_perplexity: bool) -> dict[str, float]:
+        """Weight memory (``weight_mib``) and perplexity, where the engine reports them."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 - engines without resources to free skip it
         """Free what the engine holds."""
 
@@ -137,13 +148,17 @@ class PagedLLMEngine(Engine):
     name = "paged_llm"
 
     def __init__(self, options: EngineOptions) -> None:
+        from benchmarks.perplexity import PERPLEXITY_WINDOW
         from paged_llm import LLM
 
         self.llm = LLM(
             options.model_dir,
             dtype=options.dtype,
             device=options.device,
-            max_model_len=options.max_model_len,
+            # Room for perplexity's 256-token windows, whatever the workload's lengths.
+            max_model_len=max(options.max_model_len, PERPLEXITY_WINDOW + 1)
+            if options.measure_perplexity
+            else options.max_model_len,
             max_num_seqs=options.max_num_seqs,
             max_num_batched_tokens=options.max_num_batched_tokens,
             enable_prefix_caching=options.enable_prefix_caching,
@@ -151,6 +166,7 @@ class PagedLLMEngine(Engine):
             data_parallel_size=options.data_parallel_size,
             batch_invariant=options.batch_invariant,
             kv_cache_dtype=options.kv_cache_dtype,
+            quantization=options.quantization,
         )
         self.structured = options.structured
 
@@ -177,7 +193,19 @@ class PagedLLMEngine(Engine):
             "tensor_parallel_size": config.tensor_parallel_size,
             "data_parallel_size": config.data_parallel_size,
             "batch_invariant": config.batch_invariant,
+            "quantization": config.quantization,
+            "dtype": str(config.dtype).removeprefix("torch."),
         }
+
+    def quality(self, measure_perplexity: bool) -> dict[str, float]:
+        from benchmarks.perplexity import perplexity, text_token_ids
+        from paged_llm.layers.weights import weight_memory
+
+        weights = weight_memory(self.llm.engine.model_runner.model)
+        measured = {"weight_mib": sum(weights.values()) / 2**20}
+        if measure_perplexity:
+            measured["perplexity"] = perplexity(self.llm, text_token_ids(self.llm))
+        return measured
 
     def close(self) -> None:
         self.llm.shutdown()
@@ -431,6 +459,7 @@ def run_engine(name: str, options: EngineOptions, workload: Workload) -> EngineR
         after = engine.counters()
         settings = engine.settings()
         computed = engine.computed_output_tokens(workload.requests)
+        quality = engine.quality(options.measure_perplexity)
     finally:
         engine.close()
     for index, (tokens, request) in enumerate(zip(token_ids, workload.requests, strict=True)):
@@ -455,6 +484,8 @@ def run_engine(name: str, options: EngineOptions, workload: Workload) -> EngineR
         num_steps=delta.get("num_steps"),
         collective_seconds=delta.get("collective_seconds"),
         settings=settings,
+        weight_mib=quality.get("weight_mib"),
+        perplexity=quality.get("perplexity"),
     )
 
 

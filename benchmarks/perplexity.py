@@ -18,8 +18,11 @@ from benchmarks.prompts import SHARED_SYSTEM_PROMPT
 from paged_llm import LLM, SamplingParams
 from paged_llm.model_files import DEFAULT_MODEL
 
+# Tokens per scored window: every benchmark that reports perplexity uses this one.
+PERPLEXITY_WINDOW = 256
 
-def perplexity(llm: LLM, token_ids: list[int], window: int = 256) -> float:
+
+def perplexity(llm: LLM, token_ids: list[int], window: int = PERPLEXITY_WINDOW) -> float:
     """exp of the mean negative log-likelihood of ``token_ids[1:]``, scored in disjoint
     windows of ``window`` tokens (each window's first token is context only), all windows in
     one ``generate`` call."""
@@ -49,7 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--window", type=int, default=PERPLEXITY_WINDOW)
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args()

@@ -15,6 +15,8 @@ Run from the repository root:
     python -m benchmarks.throughput --engines paged_llm --batch-invariant
     python -m benchmarks.throughput --engines paged_llm --structured json
     python -m benchmarks.throughput --engines paged_llm --kv-cache-dtype fp8
+    python -m benchmarks.throughput --engines paged_llm --quantization \
+        none:bfloat16,int8,int8:bfloat16,gguf --perplexity
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ class EngineSummary:
     # Seconds rank 0 waited in tensor-parallel collectives.
     collective_seconds: float | None
     settings: dict[str, Any]
+    weight_mib: float | None
+    perplexity: float | None
 
 
 @dataclass
@@ -99,6 +103,15 @@ class RooflineSummary:
     achieved_gflops: float
     roofline_gflops: float
     fraction_of_roofline: float
+
+
+def _quantization_runs(text: str) -> list[tuple[str | None, str | None]]:
+    """``"none:bfloat16,int8"`` -> ``[(None, "bfloat16"), ("int8", None)]``."""
+    runs: list[tuple[str | None, str | None]] = []
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        name, _, dtype = entry.partition(":")
+        runs.append((None if name == "none" else name, dtype or None))
+    return runs
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -187,6 +200,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "and print its throughput against the unconstrained run",
     )
     parser.add_argument(
+        "--quantization",
+        type=_quantization_runs,
+        default=[],
+        help="also run paged_llm with these weight formats, comma-separated NAME[:DTYPE] "
+        "(NAME: none, int8, gguf; DTYPE defaults to --dtype), e.g. none:bfloat16,int8,gguf "
+        "(gguf needs a .gguf model, as the default SmolLM2 is)",
+    )
+    parser.add_argument(
+        "--perplexity",
+        action="store_true",
+        help="after each paged_llm run, also measure its perplexity (benchmarks.perplexity)",
+    )
+    parser.add_argument(
         "--skip-roofline", action="store_true", help="do not measure matmul GFLOP/s"
     )
     parser.add_argument("--out", type=Path, default=None, help="write JSON results here")
@@ -244,6 +270,8 @@ def summarize(
         num_steps=run.num_steps,
         collective_seconds=run.collective_seconds,
         settings=run.settings,
+        weight_mib=run.weight_mib,
+        perplexity=run.perplexity,
     )
 
 
@@ -296,6 +324,9 @@ def print_report(
     if args.device == "cuda":
         headers.append("peak GPU MiB")
     headers += ["x paged_llm", "same tokens", "decoded waste"]
+    quality = any(s.weight_mib is not None for s in summaries)
+    if quality:
+        headers += ["weights MiB", "perplexity"]
     rows = []
     for s in summaries:
         row: list[Any] = [
@@ -312,6 +343,8 @@ def print_report(
             None if s.identical_to_reference is None else f"{100 * s.identical_to_reference:.0f}%",
             f"{100 * s.wasted_output_fraction:.0f}%",
         ]
+        if quality:
+            row += [s.weight_mib, s.perplexity]
         rows.append(row)
     print(format_table(headers, rows))
     print(
@@ -397,6 +430,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
+            measure_perplexity=args.perplexity,
         )
         jobs: list[tuple[str, str, EngineOptions]] = [
             (name, name, options) for name in args.engines
@@ -448,6 +482,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     replace(options, structured=args.structured),
                 )
             )
+        for quantization, run_dtype in args.quantization:
+            label = f"paged_llm {quantization or 'float'} {run_dtype or args.dtype}"
+            variant = replace(options, quantization=quantization, dtype=run_dtype or args.dtype)
+            jobs.append((label, REFERENCE_ENGINE, variant))
         runs: list[tuple[str, EngineRun]] = []
         for label, name, engine_options in jobs:
             runs.append((label, run_engine_in_subprocess(name, engine_options, workload, work_dir)))

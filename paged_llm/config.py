@@ -11,6 +11,7 @@ import torch
 
 from paged_llm.engine_args import KV_CACHE_DTYPES, EngineArgs
 from paged_llm.layers.attention import ATTENTION_BACKENDS
+from paged_llm.model_files.gguf_quantized import gguf_source
 from paged_llm.platforms import Platform, get_platform
 
 _DTYPES = {
@@ -101,6 +102,7 @@ class EngineConfig:
     # False: every prompt is scheduled whole (LLM's enable_chunked_prefill=False).
     chunked_prefill: bool
     batch_invariant: bool
+    quantization: str | None
 
     @property
     def device(self) -> torch.device:
@@ -226,6 +228,11 @@ class EngineConfig:
         dtype = resolve_dtype(args.dtype, hf_config, platform)
         kv_cache_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype] or dtype
         platform.check_kv_cache_dtype(kv_cache_dtype, attention_backend)
+        if args.quantization == "gguf" and gguf_source(model_dir) is None:
+            raise ValueError(
+                f"LLM argument quantization='gguf' keeps a .gguf file's weights quantized; "
+                f"{model_dir} was not made from one. Pass the .gguf file as the model."
+            )
         resolved = {
             "model_dir": model_dir,
             "hf_config": hf_config,

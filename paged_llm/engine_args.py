@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from paged_llm.layers.quantization import QUANTIZATION_METHODS
+
 # Keys of a field's metadata.
 _DOC = "doc"
 _KIND = "kind"
@@ -265,6 +267,17 @@ class EngineArgs:
     runner: str = _honoured(
         "auto", 'Text generation only: "auto" or "generate".', accepts=("auto", "generate")
     )
+    quantization: str | None = _honoured(
+        None,
+        "The format of the decoder layers' linear weights: None keeps the checkpoint's "
+        'float weights (a .gguf file dequantized exactly to float); "int8" quantizes them '
+        'at load time to int8 with one scale per output channel; "gguf" keeps a .gguf '
+        "file's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights quantized and dequantizes "
+        "them in each matmul. Weight-only: activations stay in dtype; the embedding and LM "
+        "head stay float. See docs/quantization.md.",
+        cli=_FLAG,
+        accepts=(None, *QUANTIZATION_METHODS),
+    )
     kv_cache_dtype: str = _honoured(
         "auto",
         'How the KV cache stores keys and values: "auto" in the model dtype; "fp8" (= '
@@ -325,9 +338,6 @@ class EngineArgs:
     allowed_local_media_path: str = _no_op("", "Text-only models.")
     use_tqdm_on_load: bool = _no_op(True, "Loading shows no progress bar.")
     # ----- refused unless neutral -----------------------------------------------------------
-    quantization: str | None = _refused_unless(
-        (None,), "Quantized weights are not supported yet (issue 13); load unquantized weights."
-    )
     enable_lora: bool = _refused_unless(
         (False,), "LoRA adapters are not supported; merge the adapter into the weights first."
     )

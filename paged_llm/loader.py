@@ -9,12 +9,14 @@ rank reads about its share of the weights.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from safetensors import safe_open
 from torch import nn
 
+from paged_llm.layers.linear import Linear
+from paged_llm.layers.quantization.grouped import GroupQuantizedLinearMethod, GroupQuantizedTensor
 from paged_llm.layers.weights import CheckpointTensor
 
 # Buffers some checkpoints carry that we recompute instead.
@@ -80,6 +82,22 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
     )
     if missing:
         raise ValueError(f"Checkpoint in {model_dir} lacks weights: {', '.join(missing[:10])}.")
+
+
+def load_quantized_weights(model: nn.Module, tensors: Iterable[GroupQuantizedTensor]) -> None:
+    """Hand each group-quantized checkpoint tensor to the layer it belongs to, which keeps
+    its rank's part still quantized."""
+    packed_modules: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
+    for tensor in tensors:
+        name, shard = _target(tensor.name, packed_modules)
+        layer = _owner(model, name)
+        if not (
+            isinstance(layer, Linear) and isinstance(layer.quant_method, GroupQuantizedLinearMethod)
+        ):
+            raise ValueError(
+                f"Quantized checkpoint weight {tensor.name!r} has no quantized layer to go to."
+            )
+        layer.quant_method.load_quantized(layer, tensor, shard)
 
 
 def _shards(model: nn.Module, param_name: str) -> list[int | None]:

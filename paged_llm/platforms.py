@@ -59,6 +59,8 @@ class Platform:
     # Capabilities; a subclass declares them, callers only read them.
     decode_graph_mode: ClassVar[DecodeGraphMode] = DecodeGraphMode.NONE
     triton_elementwise: ClassVar[bool] = False
+    # Quantized linear layers multiply through csrc_triton's kernels (else torch's ops).
+    triton_linear: ClassVar[bool] = False
     default_attention_backend: ClassVar[str] = "torch"
     # torch.distributed backend of the tensor-parallel group.
     distributed_backend: ClassVar[str] = "gloo"
@@ -150,6 +152,7 @@ class CudaPlatform(Platform):
     name = "cuda"
     decode_graph_mode = DecodeGraphMode.CAPTURE
     triton_elementwise = True
+    triton_linear = True
     default_attention_backend = "triton"
     distributed_backend = "nccl"
     default_max_num_seqs = 256

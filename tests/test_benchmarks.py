@@ -189,6 +189,40 @@ def test_throughput_runs_structured_json_beside_the_unconstrained_run(
 
 
 @pytest.mark.slow
+def test_linear_kernels_times_every_weight_format() -> None:
+    run_module("benchmarks.linear_kernels", "--rows", "1", "--repeats", "1")
+
+
+@pytest.mark.slow
+def test_throughput_runs_quantized_weights_beside_float_with_memory_and_perplexity(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "throughput.json"
+    run_module(
+        "benchmarks.throughput",
+        "--model", str(tiny_model_dir("llama")),
+        "--workload", "a",
+        "--num-requests", "4",
+        "--input-len", "8", "16",
+        "--output-len", "6", "10",
+        "--engines", "paged_llm",
+        "--quantization", "int8,none:bfloat16",
+        "--perplexity",
+        "--skip-roofline",
+        "--out", str(out),
+    )  # fmt: skip
+    engines = {e["label"]: e for e in json.loads(out.read_text())["engines"]}
+    assert set(engines) == {"paged_llm", "paged_llm int8 float32", "paged_llm float bfloat16"}
+    assert engines["paged_llm int8 float32"]["settings"]["quantization"] == "int8"
+    assert engines["paged_llm float bfloat16"]["settings"]["dtype"] == "bfloat16"
+    # The decoder's projections take a quarter of their float32 bytes; the embedding and
+    # the LM head stay float32.
+    assert engines["paged_llm int8 float32"]["weight_mib"] < engines["paged_llm"]["weight_mib"]
+    for engine in engines.values():
+        assert engine["perplexity"] > 1
+
+
+@pytest.mark.slow
 def test_gpu_check_script_runs_every_step_at_toy_sizes_on_the_cpu(
     tiny_model_dir: Callable[[str], Path], tmp_path: Path
 ) -> None:

@@ -163,8 +163,8 @@ def test_the_same_memory_holds_2x_the_tokens_of_bfloat16_and_4x_of_float32_in_fp
     # oneDNN-packed copies replace the dense ones).
     with safe_open(str(tiny_model_dir("llama") / "model.safetensors"), "pt") as checkpoint:
         elements = sum(checkpoint.get_tensor(name).numel() for name in checkpoint.keys())  # noqa: SIM118
-    assert f"Weights: {4 * elements / 2**20:.1f} MiB (float32 " in caplog.text
-    assert f"Weights: {2 * elements / 2**20:.1f} MiB (bfloat16 " in caplog.text
+    assert f"Weights: {4 * elements / 2**20:.1f} MiB, not quantized (float32 " in caplog.text
+    assert f"Weights: {2 * elements / 2**20:.1f} MiB, not quantized (bfloat16 " in caplog.text
 
 
 def test_capacity_survives_since_and_kv_cache_dtype_names_are_checked(

@@ -136,7 +136,10 @@ def test_seed_none_the_uni_backend_and_a_revision_with_a_local_path_run(
     [
         ({"enable_lora": True}, r"enable_lora=True is not supported by paged_llm: LoRA"),
         ({"cpu_offload_gb": 4}, r"cpu_offload_gb=4 is not supported.*never offloaded"),
-        ({"quantization": "awq"}, r"quantization='awq' is not supported.*issue 13"),
+        (
+            {"quantization": "awq"},
+            r"quantization='awq' is not supported.*Leave it at None or 'int8'",
+        ),
         ({"logits_processors": [lambda ids, logits: logits]}, r"logits_processors=.*callables"),
         ({"distributed_executor_backend": "ray"}, r"distributed_executor_backend='ray'.*ray"),
         ({"pipeline_parallel_size": 2}, r"pipeline_parallel_size=2 .*tensor_parallel_size"),

@@ -25,10 +25,16 @@ from paged_llm.engine.sampling_metadata import build_sampling_metadata
 from paged_llm.engine.scheduler import ScheduledBatch
 from paged_llm.engine.sequence import RawLogprobs, Sequence
 from paged_llm.layers.attention import Attention, get_attention_backend
-from paged_llm.layers.linear import prepack_for_cpu, use_fixed_row_tiles
+from paged_llm.layers.linear import (
+    prepack_for_cpu,
+    process_weights_after_loading,
+    use_fixed_row_tiles,
+)
+from paged_llm.layers.quantization import get_quantized_linear_method
 from paged_llm.layers.sampler import LogprobsTensors, Sampler, compute_logprobs
 from paged_llm.layers.weights import weight_memory
-from paged_llm.loader import load_weights
+from paged_llm.loader import load_quantized_weights, load_weights
+from paged_llm.model_files.gguf_quantized import gguf_source, quantized_projections
 from paged_llm.models import get_model_class
 from paged_llm.models.context import ModelContext
 from paged_llm.models.llama import LlamaForCausalLM
@@ -47,6 +53,7 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalL
         max_position=config.max_model_len,
         triton_elementwise=platform.triton_elementwise,
         tp=tp,
+        quant_method=get_quantized_linear_method(config.quantization, platform.triton_linear),
     )
     model_class = get_model_class(config.hf_config)
     with torch.device("meta"):
@@ -54,6 +61,11 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalL
     model = model.to(dtype=config.dtype).to_empty(device=platform.device)
     model.tie_weights()
     load_weights(model, config.model_dir)
+    if config.quantization == "gguf":
+        source = gguf_source(config.model_dir)
+        assert source is not None  # NOTE: EngineConfig.create checked it
+        load_quantized_weights(model, quantized_projections(source, config.hf_config))
+    process_weights_after_loading(model)
     if platform.prepacks_linear_weights:
         prepack_for_cpu(model, config.dtype)
     if config.batch_invariant:
@@ -61,9 +73,10 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalL
     if tp.is_first:
         memory = sorted(weight_memory(model).items(), key=lambda item: -item[1])
         logger.info(
-            "Weights: %.1f MiB%s (%s).",
+            "Weights: %.1f MiB%s, %s (%s).",
             sum(size for _, size in memory) / 2**20,
             " per rank" if tp.size > 1 else "",
+            f"quantization={config.quantization}" if config.quantization else "not quantized",
             ", ".join(
                 f"{str(dtype).removeprefix('torch.')} {size / 2**20:.1f} MiB"
                 for dtype, size in memory

@@ -1,5 +1,6 @@
-"""Linear layers: a oneDNN fast path on CPU, projections packed into one matmul, and
-their tensor-parallel forms (column-parallel packs, row-parallel with one all-reduce)."""
+"""Linear layers: a oneDNN fast path on CPU, projections packed into one matmul, their
+tensor-parallel forms (column-parallel packs, row-parallel with one all-reduce), and
+quantized weights through a `QuantizedLinearMethod`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from paged_llm.distributed.group import TensorParallelGroup
+from paged_llm.layers.quantization import QuantizedLinearMethod
+from paged_llm.layers.quantization.grouped import GroupQuantizedWeight
 from paged_llm.layers.weights import CheckpointTensor
 
 # Batch size oneDNN tunes a packed weight for; measured flat from 16 to 2048 rows.
@@ -37,8 +40,19 @@ def onednn_linear_available(dtype: torch.dtype) -> bool:
         return False
 
 
+@dataclass(frozen=True, slots=True)
+class CheckpointPart:
+    """The part of one checkpoint weight a rank keeps: its ``rows`` and ``cols`` (each a
+    ``(start, size)``, None for all of them), and the rows of the layer's weight they fill."""
+
+    rows: tuple[int, int] | None
+    cols: tuple[int, int] | None
+    out_rows: slice
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` that can run from a oneDNN-packed copy of its weight on CPU.
+    """``nn.Linear`` that can run from a oneDNN-packed copy of its weight on CPU, or from
+    a quantized weight that its ``quant_method`` keeps.
 
     torch's CPU matmul goes through MKL, which on AMD processors takes a generic code path:
     measured on a 2-core Zen 5, float32 GEMMs of this model's shapes ran at 110-200
@@ -52,9 +66,46 @@ class Linear(nn.Linear):
     # `use_fixed_row_tiles`); None runs the whole batch in one call.
     row_tile: int | None = None
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        quant_method: QuantizedLinearMethod | None = None,
+    ) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.register_buffer("onednn_weight", None, persistent=False)
+        self.quant_method = quant_method
+        # Group-quantized weights by checkpoint shard, for a `GroupQuantizedLinearMethod`.
+        self.quantized_pieces: dict[int, GroupQuantizedWeight] = {}
+        if quant_method is not None:
+            quant_method.create_weights(self)
+
+    @property
+    def num_checkpoint_shards(self) -> int | None:
+        """How many checkpoint tensors fill the weight; None: one, under the layer's name."""
+        return None
+
+    def checkpoint_part(self, loaded: CheckpointTensor, shard: int | None) -> CheckpointPart:
+        """What this rank keeps of checkpoint weight ``loaded``; a ValueError if its shape
+        does not fit."""
+        loaded.check_shape((self.out_features, self.in_features))
+        return CheckpointPart(None, None, slice(None))
+
+    def load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard: int | None) -> None:
+        if param is self.weight:
+            self.store_weight(loaded, self.checkpoint_part(loaded, shard))
+        else:
+            loaded.check_shape(tuple(param.shape))
+            param.data.copy_(loaded.read())
+
+    def store_weight(self, loaded: CheckpointTensor, part: CheckpointPart) -> None:
+        """Fill ``part.out_rows`` of the weight from a float checkpoint weight, in the
+        layer's format."""
+        if self.quant_method is not None:
+            self.quant_method.load_weight(self, loaded, part)
+        else:
+            self.weight.data[part.out_rows].copy_(loaded.read(rows=part.rows, cols=part.cols))
 
     def prepack(self, keep_dense_weight: bool) -> None:
         """Run the matmul through oneDNN: from a packed copy of the weight, the dense one
@@ -85,6 +136,8 @@ class Linear(nn.Linear):
         return torch.cat([self._matmul_call(rows, bias) for rows in padded.split(tile)])[:num_rows]
 
     def _matmul_call(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias)
         if self.onednn_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
@@ -98,7 +151,7 @@ def prepack_for_cpu(model: nn.Module, dtype: torch.dtype) -> None:
     for _, param in model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, Linear) and module.quant_method is None:
             module.prepack(keep_dense_weight=uses[id(module.weight)] > 1)
     _return_freed_heap_memory()
 
@@ -112,6 +165,13 @@ def _return_freed_heap_memory() -> None:
     malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     if malloc_trim is not None:
         malloc_trim(0)
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let every quantized `Linear`'s method check or finish what loading gave it."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.quant_method is not None:
+            module.quant_method.process_weights_after_loading(module)
 
 
 # A GEMM library picks its kernel, and with it the order of each row's additions, from
@@ -158,8 +218,14 @@ class PackedLinear(Linear):
     rank's rows of one of them into its place in the packed weight.
     """
 
-    def __init__(self, in_features: int, shards: list[RowShard], bias: bool) -> None:
-        super().__init__(in_features, sum(shard.size for shard in shards), bias=bias)
+    def __init__(
+        self,
+        in_features: int,
+        shards: list[RowShard],
+        bias: bool,
+        quant_method: QuantizedLinearMethod | None = None,
+    ) -> None:
+        super().__init__(in_features, sum(shard.size for shard in shards), bias, quant_method)
         self.shards = shards
         self.output_sizes = [shard.size for shard in shards]
         self.offsets = [sum(self.output_sizes[:i]) for i in range(len(shards))]
@@ -168,21 +234,27 @@ class PackedLinear(Linear):
     def num_checkpoint_shards(self) -> int:
         return len(self.shards)
 
-    def load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard: int | None) -> None:
+    def checkpoint_part(self, loaded: CheckpointTensor, shard: int | None) -> CheckpointPart:
         if shard is None:
             raise ValueError(
                 f"Checkpoint weight {loaded.name!r} is already packed; paged_llm loads the "
                 "separate projections (q_proj, k_proj, v_proj, gate_proj, up_proj)."
             )
-        index = shard
-        part = self.shards[index]
+        part = self.shards[shard]
         if loaded.shape[0] < part.start + part.size:
             raise ValueError(
                 f"Checkpoint weight {loaded.name!r} has {loaded.shape[0]} rows, the model "
                 f"expects at least {part.start + part.size}."
             )
-        offset = self.offsets[index]
-        param.data[offset : offset + part.size].copy_(loaded.read(rows=(part.start, part.size)))
+        offset = self.offsets[shard]
+        return CheckpointPart((part.start, part.size), None, slice(offset, offset + part.size))
+
+    def load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard: int | None) -> None:
+        part = self.checkpoint_part(loaded, shard)
+        if param is self.weight:
+            self.store_weight(loaded, part)
+        else:
+            param.data[part.out_rows].copy_(loaded.read(rows=part.rows))
 
 
 class RowParallelLinear(Linear):
@@ -190,18 +262,21 @@ class RowParallelLinear(Linear):
     and MLP down projections): each rank multiplies its share, one all-reduce sums them."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TensorParallelGroup,
+        quant_method: QuantizedLinearMethod | None = None,
     ) -> None:
-        super().__init__(in_features // tp.size, out_features, bias=bias)
+        super().__init__(in_features // tp.size, out_features, bias, quant_method)
         self.tp = tp
 
-    def load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard: int | None) -> None:
-        if param is self.weight:
-            loaded.check_shape((self.out_features, self.in_features * self.tp.size))
-            param.data.copy_(loaded.read(cols=(self.tp.rank * self.in_features, self.in_features)))
-        else:
-            loaded.check_shape(tuple(param.shape))
-            param.data.copy_(loaded.read())
+    def checkpoint_part(self, loaded: CheckpointTensor, shard: int | None) -> CheckpointPart:
+        loaded.check_shape((self.out_features, self.in_features * self.tp.size))
+        return CheckpointPart(
+            None, (self.tp.rank * self.in_features, self.in_features), slice(None)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

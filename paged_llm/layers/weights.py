@@ -42,11 +42,13 @@ def weight_memory(model: nn.Module) -> dict[torch.dtype, int]:
     """Bytes of the model's parameters and buffers by dtype, each tensor once however many
     modules share it: what the weights take, in whatever form they are kept (packed,
     quantized with their scales, tied)."""
-    seen: set[int] = set()
+    seen: set[object] = set()
     memory: dict[torch.dtype, int] = {}
     for tensor in [*model.parameters(), *model.buffers()]:
-        # NOTE: an opaque oneDNN tensor has no storage to compare; nothing shares it.
-        key = id(tensor) if tensor.is_mkldnn else tensor.untyped_storage().data_ptr()
+        # NOTE: the same elements seen again (a oneDNN layer on a tied weight's dense
+        # tensor) count once; slices of one storage (quantized pieces) each count. An
+        # opaque oneDNN tensor has no data pointer to compare; nothing shares it.
+        key = id(tensor) if tensor.is_mkldnn else (tensor.data_ptr(), tensor.numel())
         if key in seen:
             continue
         seen.add(key)

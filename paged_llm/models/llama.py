@@ -62,10 +62,14 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = PackedLinear(
-            config.hidden_size, [q_shard, kv_shard, kv_shard], bias=qkv_bias
+            config.hidden_size, [q_shard, kv_shard, kv_shard], qkv_bias, context.quant_method
         )
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim, config.hidden_size, o_bias, tp
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            o_bias,
+            tp,
+            context.quant_method,
         )
         self.rotary = rotary
         norm = functools.partial(
@@ -101,8 +105,12 @@ class LlamaMLP(nn.Module):
         bias = getattr(config, "mlp_bias", False)
         size = config.intermediate_size
         shard = RowShard(*context.tp.shard_range(size))
-        self.gate_up_proj = PackedLinear(config.hidden_size, [shard, shard], bias=bias)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, bias, context.tp)
+        self.gate_up_proj = PackedLinear(
+            config.hidden_size, [shard, shard], bias, context.quant_method
+        )
+        self.down_proj = RowParallelLinear(
+            size, config.hidden_size, bias, context.tp, context.quant_method
+        )
         self.act = SiluAndMul(context.triton_elementwise)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

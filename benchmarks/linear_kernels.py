@@ -1,0 +1,108 @@
+"""One linear layer of SmolLM2-135M in each weight format, timed alone: the CPU kernels
+behind ``quantization=`` (see docs/quantization.md).
+
+    python -m benchmarks.linear_kernels --threads 2
+
+Each layer is a paged_llm `Linear` loaded the way the engine loads it (float32 packed for
+oneDNN, bfloat16, int8 through torch's ``_weight_int8pack_mm`` with float32 or bfloat16
+activations, and GGUF Q4_1 dequantized in the matmul), timed as the best of ``--repeats``
+calls after a warm-up: the best, not the mean, because the machine may be shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from benchmarks.report import format_table
+from paged_llm.layers.linear import Linear, prepack_for_cpu
+from paged_llm.layers.quantization import get_quantized_linear_method
+from paged_llm.layers.quantization.grouped import GroupQuantizedLinearMethod, GroupQuantizedTensor
+from paged_llm.layers.weights import CheckpointTensor
+
+# (name, in_features, out_features) of one SmolLM2-135M decoder layer's projections.
+SHAPES = [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576)]
+
+
+def _float_layer(weight: torch.Tensor, dtype: torch.dtype) -> nn.Module:
+    layer = Linear(weight.shape[1], weight.shape[0], False).to(dtype)
+    layer.weight.data.copy_(weight)
+    prepack_for_cpu(layer, dtype)
+    return layer
+
+
+def _int8_layer(weight: torch.Tensor, dtype: torch.dtype) -> nn.Module:
+    method = get_quantized_linear_method("int8", triton=False)
+    layer = Linear(weight.shape[1], weight.shape[0], False, method).to(dtype)
+    layer.load_weight(layer.weight, CheckpointTensor("weight", weight), None)
+    return layer
+
+
+def _gguf_layer(weight: torch.Tensor, dtype: torch.dtype) -> nn.Module:
+    import gguf
+
+    from paged_llm.model_files.gguf_quantized import repack
+
+    qtype = gguf.GGMLQuantizationType.Q4_1
+    blocks = gguf.quants.quantize(weight.numpy(), qtype)
+    method = get_quantized_linear_method("gguf", triton=False)
+    assert isinstance(method, GroupQuantizedLinearMethod)
+    layer = Linear(weight.shape[1], weight.shape[0], False, method).to(dtype)
+    tensor = GroupQuantizedTensor("weight", repack(blocks, "Q4_1", tuple(weight.shape)))
+    method.load_quantized(layer, tensor, None)
+    method.process_weights_after_loading(layer)
+    return layer
+
+
+FORMATS: dict[str, tuple[Callable[[torch.Tensor, torch.dtype], nn.Module], torch.dtype]] = {
+    "float32 (oneDNN)": (_float_layer, torch.float32),
+    "bfloat16": (_float_layer, torch.bfloat16),
+    "int8, float32 act": (_int8_layer, torch.float32),
+    "int8, bfloat16 act": (_int8_layer, torch.bfloat16),
+    "gguf Q4_1, float32 act": (_gguf_layer, torch.float32),
+}
+
+
+def best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    weights = {name: torch.randn(n, k) * 0.05 for name, k, n in SHAPES}
+    headers = ["format", *(f"M={m} us/layer" for m in args.rows)]
+    rows = []
+    for label, (make, dtype) in FORMATS.items():
+        layers = {name: make(weight, dtype) for name, weight in weights.items()}
+        times = []
+        for num_rows in args.rows:
+            total = 0.0
+            for name, k, _ in SHAPES:
+                x = torch.randn(num_rows, k).to(dtype)
+                with torch.no_grad():
+                    total += best_seconds(lambda: layers[name](x), args.repeats)  # noqa: B023
+            times.append(1e6 * total)
+        rows.append([label, *np.round(times, 0)])
+    print(f"SmolLM2-135M decoder layer projections (qkv, o, gate_up, down), {args.threads} threads")
+    print(format_table(headers, rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Weight-only int8 matmul: int8 weights with one scale per output channel, dequantized
+in the GEMM's inner loop."""
+
+import torch
+import triton
+import triton.language as tl
+
+# NOTE: the interpreter's bf16 tl.dot workaround is shared with paged attention.
+from csrc_triton.paged_attention import _UPCAST_DOT_OPERANDS, _dot
+
+# Rows of x per program when the batch is small (decode) or large (prefill). tl.dot needs
+# every block dimension to be at least 16.
+_SMALL_BLOCK_M = 16
+_LARGE_BLOCK_M = 64
+_BLOCK_N = 64
+_BLOCK_K = 64
+
+
+@triton.jit
+def _int8_weight_matmul_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    out_ptr,
+    num_rows,
+    out_features,
+    in_features,
+    stride_x_m,
+    stride_x_k,
+    stride_w_n,
+    stride_w_k,
+    stride_o_m,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST_DOT_OPERANDS: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_mask = rows < num_rows
+    col_mask = cols < out_features
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, in_features, BLOCK_K):
+        k = k_start + ks
+        k_mask = k < in_features
+        x = tl.load(
+            x_ptr + rows[:, None].to(tl.int64) * stride_x_m + k[None, :] * stride_x_k,
+            mask=row_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + cols[None, :].to(tl.int64) * stride_w_n + k[:, None] * stride_w_k,
+            mask=col_mask[None, :] & k_mask[:, None],
+            other=0,
+        )
+        # Every int8 value is exact in any float type (through float32: the interpreter
+        # converts int8 to bf16 wrongly); the scale factors out of the sum over k, so it
+        # is applied once, to the accumulator.
+        acc += _dot(x, w.to(tl.float32).to(x.dtype), UPCAST_DOT_OPERANDS)
+    scale = tl.load(scale_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    out = acc * scale[None, :]
+    tl.store(
+        out_ptr + rows[:, None].to(tl.int64) * stride_o_m + cols[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & col_mask[None, :],
+    )
+
+
+def int8_weight_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x @ (weight * scale[:, None]).T`` with the weight kept in int8.
+
+    Args:
+        x: ``[M, K]`` activations (float32, bfloat16 or float16), any strides.
+        weight: ``[N, K]`` int8.
+        scale: ``[N]``, one scale per output channel.
+
+    Returns:
+        ``[M, N]`` in the dtype of ``x``; float32 inputs are multiplied in IEEE float32
+        (no TF32), so results match a float32 matmul up to summation order.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    if weight.dtype != torch.int8 or scale.shape != (weight.shape[0],):
+        raise ValueError(
+            f"weight must be int8 with one scale per row, got {weight.dtype} and scale "
+            f"shape {tuple(scale.shape)}"
+        )
+    num_rows, in_features = x.shape
+    out_features = weight.shape[0]
+    out = x.new_empty((num_rows, out_features))
+    if num_rows == 0 or out_features == 0:
+        return out
+    block_m = _SMALL_BLOCK_M if num_rows <= _SMALL_BLOCK_M else _LARGE_BLOCK_M
+    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(out_features, _BLOCK_N))
+    _int8_weight_matmul_kernel[grid](
+        x,
+        weight,
+        scale,
+        out,
+        num_rows,
+        out_features,
+        in_features,
+        *x.stride(),
+        *weight.stride(),
+        out.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=_BLOCK_N,
+        BLOCK_K=_BLOCK_K,
+        UPCAST_DOT_OPERANDS=_UPCAST_DOT_OPERANDS,
+        num_warps=4,
+    )
+    return out

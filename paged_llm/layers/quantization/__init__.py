@@ -1,0 +1,28 @@
+"""Quantized weight formats, by vLLM's ``quantization`` names.
+
+Each format is a `QuantizedLinearMethod`; `get_quantized_linear_method` builds the one a
+setting names, for a platform that does or does not run Triton matmuls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from paged_llm.layers.quantization.base import QuantizedLinearMethod
+from paged_llm.layers.quantization.grouped import GroupQuantizedLinearMethod
+from paged_llm.layers.quantization.int8 import Int8LinearMethod
+
+# name -> the method, built with whether its matmuls run through Triton.
+QUANTIZATION_METHODS: dict[str, Callable[[bool], QuantizedLinearMethod]] = {
+    "int8": Int8LinearMethod,
+    # Dequantizes with torch ops on every device (a Triton kernel is still to come).
+    "gguf": lambda triton: GroupQuantizedLinearMethod(),
+}
+
+
+def get_quantized_linear_method(name: str | None, triton: bool) -> QuantizedLinearMethod | None:
+    """The method of ``quantization=name`` (None: the checkpoint's float weights)."""
+    return None if name is None else QUANTIZATION_METHODS[name](triton)
+
+
+__all__ = ["QUANTIZATION_METHODS", "QuantizedLinearMethod", "get_quantized_linear_method"]

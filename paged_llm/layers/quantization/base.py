@@ -1,0 +1,39 @@
+"""The seam between a `Linear` layer and the format its weight is kept in."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from paged_llm.layers.linear import CheckpointPart, Linear
+    from paged_llm.layers.weights import CheckpointTensor
+
+
+class QuantizedLinearMethod(ABC):
+    """How a `Linear` keeps a quantized weight and multiplies by it (vLLM's
+    ``LinearMethodBase``): one object per format, shared by every layer it quantizes.
+
+    The layer calls `create_weights` when it is built (on the meta device, before any
+    memory is allocated), so no float copy of a quantized weight is ever materialized; the
+    loader hands each float checkpoint weight to `load_weight` with the part this rank
+    keeps; `apply` multiplies.
+    """
+
+    @abstractmethod
+    def create_weights(self, layer: Linear) -> None:
+        """Replace the layer's float ``weight`` by the format's tensors."""
+
+    @abstractmethod
+    def load_weight(self, layer: Linear, loaded: CheckpointTensor, part: CheckpointPart) -> None:
+        """Fill ``part.out_rows`` of the layer's weight from float checkpoint weight
+        ``loaded``, of which this rank keeps ``part.rows`` and ``part.cols``."""
+
+    def process_weights_after_loading(self, layer: Linear) -> None:  # noqa: B027 - optional
+        """Check or finish the layer's tensors once every checkpoint tensor is loaded."""
+
+    @abstractmethod
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W.T + bias`` for the layer's quantized ``W``, in the dtype of ``x``."""

@@ -1,0 +1,143 @@
+"""Group-quantized weights kept packed and dequantized on the fly in the matmul: the
+layout GGUF's quantized types are repacked into once, at load time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paged_llm.layers.quantization.base import QuantizedLinearMethod
+from paged_llm.layers.weights import CheckpointTensor
+
+if TYPE_CHECKING:
+    from paged_llm.layers.linear import CheckpointPart, Linear
+
+
+@dataclass(frozen=True)
+class GroupQuantizedWeight:
+    """``W[n, k] = scale[n, k // g] * code[n, k] + offset[n, k // g]`` for groups of ``g``
+    consecutive input features.
+
+    Codes of 4 bits or fewer are packed two to a byte (``codes[n, j]`` holds ``k = 2j`` in
+    its low nibble and ``k = 2j + 1`` in its high one); wider codes are one int8 each. The
+    scales and offsets are float32, so each dequantized value is computed with the same
+    float32 operations as the format's own dequantizer.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    # None: a symmetric format (zero offset).
+    offset: torch.Tensor | None
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.scale.shape[1] * self.group_size
+
+    @property
+    def nibbles(self) -> bool:
+        return self.bits <= 4
+
+    def rows(self, start: int, size: int) -> GroupQuantizedWeight:
+        part = slice(start, start + size)
+        offset = None if self.offset is None else self.offset[part]
+        return replace(self, codes=self.codes[part], scale=self.scale[part], offset=offset)
+
+    def cols(self, start: int, size: int) -> GroupQuantizedWeight:
+        """Input features ``[start, start + size)``, on group boundaries."""
+        if start % self.group_size or size % self.group_size:
+            raise ValueError(
+                f"A tensor-parallel shard of input features [{start}, {start + size}) does not "
+                f"fall on this weight's quantization groups of {self.group_size}; use another "
+                "tensor_parallel_size."
+            )
+        groups = slice(start // self.group_size, (start + size) // self.group_size)
+        per_byte = 2 if self.nibbles else 1
+        codes = self.codes[:, start // per_byte : (start + size) // per_byte]
+        offset = None if self.offset is None else self.offset[:, groups]
+        return replace(self, codes=codes, scale=self.scale[:, groups], offset=offset)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The float weight ``[N, K]`` in ``dtype``."""
+        if self.nibbles:
+            low, high = self.codes & 0x0F, self.codes >> 4
+            codes = torch.stack([low, high], dim=-1).flatten(1)
+        else:
+            codes = self.codes
+        num_rows, num_groups = self.scale.shape
+        grouped = codes.to(torch.float32).view(num_rows, num_groups, self.group_size)
+        weight = grouped * self.scale[..., None]
+        if self.offset is not None:
+            weight += self.offset[..., None]
+        return weight.view(num_rows, -1).to(dtype)
+
+    def to(self, device: torch.device) -> GroupQuantizedWeight:
+        offset = None if self.offset is None else self.offset.to(device)
+        return replace(
+            self, codes=self.codes.to(device), scale=self.scale.to(device), offset=offset
+        )
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.codes, self.scale] + ([] if self.offset is None else [self.offset])
+
+
+class GroupQuantizedTensor(CheckpointTensor):
+    """A checkpoint tensor held as a `GroupQuantizedWeight`; `read` returns this rank's
+    rows or columns of it, still quantized."""
+
+    def __init__(self, name: str, weight: GroupQuantizedWeight) -> None:
+        self.name = name
+        self.weight = weight
+        self.shape = weight.shape
+
+    def read_quantized(
+        self, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None
+    ) -> GroupQuantizedWeight:
+        weight = self.weight if rows is None else self.weight.rows(*rows)
+        return weight if cols is None else weight.cols(*cols)
+
+
+class GroupQuantizedLinearMethod(QuantizedLinearMethod):
+    """A layer whose checkpoint tensors (one per packed projection) arrive group-quantized,
+    each in its own bit width and group size (a GGUF file mixes types in one layer). Each
+    matmul dequantizes them into one float weight and multiplies by it.
+    """
+
+    def create_weights(self, layer: Linear) -> None:
+        # An empty placeholder: the weight arrives as pieces, through `load_quantized`.
+        layer.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+
+    def load_weight(self, layer: Linear, loaded: CheckpointTensor, part: CheckpointPart) -> None:
+        """The float copy of a weight that arrives quantized is not read."""
+
+    def load_quantized(
+        self, layer: Linear, loaded: GroupQuantizedTensor, shard: int | None
+    ) -> None:
+        """Keep this rank's part of one checkpoint tensor as piece ``shard`` of the layer."""
+        part = layer.checkpoint_part(loaded, shard)
+        piece = loaded.read_quantized(part.rows, part.cols).to(layer.weight.device)
+        layer.quantized_pieces[shard or 0] = piece
+        # Buffers too, so that what walks a model's tensors (`weight_memory`) counts them.
+        for i, tensor in enumerate(piece.tensors):
+            layer.register_buffer(f"quantized_piece{shard or 0}_{i}", tensor, persistent=False)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        expected = layer.num_checkpoint_shards or 1
+        if sorted(layer.quantized_pieces) != list(range(expected)):
+            raise ValueError(
+                f"quantization='gguf': a layer of {expected} projection(s) got quantized "
+                f"weights for {len(layer.quantized_pieces)}; every decoder projection must be "
+                "a quantized tensor in the GGUF file."
+            )
+        layer.quantized_pieces = dict(sorted(layer.quantized_pieces.items()))
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        pieces = layer.quantized_pieces.values()
+        weight = torch.cat([piece.dequantize(x.dtype) for piece in pieces])
+        return F.linear(x, weight, bias)

@@ -1,0 +1,164 @@
+"""quantization="int8": weight-only int8 with per-output-channel scales.
+
+The reference is transformers in float32 with every decoder projection replaced by its
+int8 round trip, computed here from the format's definition (scale = the row's absmax /
+127, round to nearest, clamp to [-127, 127]): greedy tokens must be the same under every
+kind of batching, on one rank and on two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from paged_llm import LLM, SamplingParams
+from paged_llm.layers.linear import Linear
+from paged_llm.layers.quantization import get_quantized_linear_method
+from paged_llm.layers.weights import CheckpointTensor
+from tests.conftest import TINY_MODELS, hf_greedy
+from tests.models.test_parity import (
+    MAX_TOKENS,
+    SCENARIO_GROUPS,
+    _prompts,
+    _shared_prefix_prompts,
+    check_scenario,
+    generate_greedy,
+    group_settings,
+)
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def int8_round_trip(weight: torch.Tensor) -> torch.Tensor:
+    """What an int8 weight with one absmax scale per output row stands for."""
+    scale = weight.abs().amax(dim=1, keepdim=True) / 127
+    return (weight / scale).round().clamp(-127, 127) * scale
+
+
+def dequantized_reference(model_dir: Path) -> transformers.PreTrainedModel:
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.rsplit(".", 1)[-1] in _PROJECTIONS:
+                module.weight.copy_(int8_round_trip(module.weight))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def int8_references(
+    tiny_model_dir: Callable[[str], Path], tokenizer: transformers.PreTrainedTokenizerBase
+) -> Callable[[str, bool], tuple[list[list[int]], list[list[int]]]]:
+    cache: dict[tuple[str, bool], tuple[list[list[int]], list[list[int]]]] = {}
+
+    def get(name: str, shared_prefix: bool) -> tuple[list[list[int]], list[list[int]]]:
+        if (name, shared_prefix) not in cache:
+            prompts = _shared_prefix_prompts(tokenizer) if shared_prefix else _prompts(tokenizer)
+            model = dequantized_reference(tiny_model_dir(name))
+            expected = [hf_greedy(model, p, n) for p, n in zip(prompts, MAX_TOKENS, strict=True)]
+            cache[(name, shared_prefix)] = (prompts, expected)
+        return cache[(name, shared_prefix)]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    ("arch", "group"),
+    # Llama in the default run; the other architectures (10-15 s each, most of it the
+    # transformers reference) in the slow one.
+    [
+        pytest.param(arch, "default", marks=() if arch == "llama" else pytest.mark.slow)
+        for arch in TINY_MODELS
+    ]
+    + [("llama", "chunked-prefill+preemption"), ("qwen2", "prefix-hits")],
+)
+def test_greedy_matches_transformers_with_dequantized_weights(
+    arch: str,
+    group: str,
+    tiny_model_dir: Callable[[str], Path],
+    int8_references: Callable[[str, bool], tuple[list[list[int]], list[list[int]]]],
+) -> None:
+    settings, shared_prefix = group_settings(tiny_model_dir(arch), group)
+    prompts, expected = int8_references(arch, shared_prefix)
+    with LLM(tiny_model_dir(arch), quantization="int8", **settings) as llm:
+        outputs, metrics = generate_greedy(llm, prompts)
+    for scenario in SCENARIO_GROUPS[group]:
+        check_scenario(scenario, outputs, metrics, expected)
+
+
+@pytest.mark.slow  # two rank processes: 16 s
+def test_two_ranks_quantize_each_row_with_its_whole_row_scale(
+    tiny_model_dir: Callable[[str], Path],
+    int8_references: Callable[[str, bool], tuple[list[list[int]], list[list[int]]]],
+) -> None:
+    """The row-parallel projections hold half of each row per rank; a scale from half a
+    row would make different int8 weights, and other tokens, than the reference's."""
+    settings, _ = group_settings(tiny_model_dir("llama"), "default")
+    prompts, expected = int8_references("llama", False)
+    with LLM(
+        tiny_model_dir("llama"), quantization="int8", tensor_parallel_size=2, **settings
+    ) as llm:
+        outputs, metrics = generate_greedy(llm, prompts)
+    check_scenario("default", outputs, metrics, expected)
+
+
+def test_logprobs_and_n_match_the_dequantized_reference(
+    tiny_model_dir: Callable[[str], Path], tokenizer: transformers.PreTrainedTokenizerBase
+) -> None:
+    prompt = _prompts(tokenizer)[1][:40]
+    reference = dequantized_reference(tiny_model_dir("qwen3"))
+    with torch.no_grad():
+        expected = torch.log_softmax(reference(torch.tensor([prompt])).logits[0], dim=-1)
+    params = SamplingParams(
+        temperature=1.0, n=3, seed=3, max_tokens=4, logprobs=2, prompt_logprobs=1
+    )
+    with LLM(tiny_model_dir("qwen3"), quantization="int8", max_model_len=128) as llm:
+        (output,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    assert len(output.outputs) == 3
+    assert len({tuple(c.token_ids) for c in output.outputs}) > 1
+    assert output.prompt_logprobs is not None
+    for position, row in enumerate(output.prompt_logprobs[1:], start=1):
+        token = prompt[position]
+        torch.testing.assert_close(
+            row[token].logprob, expected[position - 1, token].item(), atol=1e-4, rtol=0
+        )
+
+
+def int8_layer(weight: torch.Tensor, bias: torch.Tensor | None, triton: bool) -> Linear:
+    out_features, in_features = weight.shape
+    method = get_quantized_linear_method("int8", triton)
+    layer = Linear(in_features, out_features, bias is not None, method)
+    layer.load_weight(layer.weight, CheckpointTensor("weight", weight), None)
+    if bias is not None:
+        layer.load_weight(layer.bias, CheckpointTensor("bias", bias), None)
+    return layer
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_layer_multiplies_by_its_dequantized_weight_on_either_kernel(with_bias: bool) -> None:
+    """torch's int8 op, and the CUDA path's Triton kernel (under the interpreter here),
+    against a float matmul with the round-tripped weight."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(96, 80), torch.randn(5, 80)
+    bias = torch.randn(96) if with_bias else None
+    expected = torch.nn.functional.linear(x, int8_round_trip(weight), bias)
+    for triton in (False, True):
+        with torch.no_grad():
+            actual = int8_layer(weight, bias, triton)(x)
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_int8_layers_keep_a_quarter_of_the_float32_weight_bytes() -> None:
+    layer = int8_layer(torch.randn(512, 256), None, triton=False)
+    held = sum(t.numel() * t.element_size() for t in [*layer.parameters(), *layer.buffers()])
+    assert held == 256 * 512 + 512 * 4
+
+
+def test_unknown_quantization_names_the_setting_and_the_choices(
+    tiny_model_dir: Callable[[str], Path],
+) -> None:
+    with pytest.raises(ValueError, match=r"quantization='int4'.*None or 'int8'"):
+        LLM(tiny_model_dir("llama"), quantization="int4")
