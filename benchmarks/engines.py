@@ -98,6 +98,9 @@ class EngineRun:
     engine: str
     wall_seconds: float
     load_seconds: float
+    # CPU seconds of this process (all its threads) in the timed run: on a machine other
+    # jobs share, the work done, where wall seconds also count the waiting.
+    cpu_seconds: float
     # Each request's useful tokens (exactly its max_tokens), in workload order.
     output_token_ids: list[list[int]]
     # Tokens the engine actually decoded, including static batching's padding rows.
@@ -452,10 +455,11 @@ def run_engine(name: str, options: EngineOptions, workload: Workload) -> EngineR
             torch.cuda.reset_peak_memory_stats()
         before = engine.counters()
         synchronize(options.device)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         token_ids = engine.generate(workload.requests)
         synchronize(options.device)
         wall_seconds = time.perf_counter() - started
+        cpu_seconds = time.process_time() - cpu_started
         after = engine.counters()
         settings = engine.settings()
         computed = engine.computed_output_tokens(workload.requests)
@@ -472,6 +476,7 @@ def run_engine(name: str, options: EngineOptions, workload: Workload) -> EngineR
         engine=name,
         wall_seconds=wall_seconds,
         load_seconds=load_seconds,
+        cpu_seconds=cpu_seconds,
         output_token_ids=token_ids,
         computed_output_tokens=computed,
         # ru_maxrss is in KiB on Linux.

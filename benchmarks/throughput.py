@@ -520,13 +520,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         constrained = runs[-1][1]
         structured = {
             "relative_throughput": reference.wall_seconds / constrained.wall_seconds,
+            "relative_cpu_throughput": reference.cpu_seconds / constrained.cpu_seconds,
             "wall_seconds_unconstrained": reference.wall_seconds,
             "wall_seconds_structured": constrained.wall_seconds,
+            "cpu_seconds_unconstrained": reference.cpu_seconds,
+            "cpu_seconds_structured": constrained.cpu_seconds,
         }
         print(
             f"\nStructured outputs ({args.structured}): "
             f"{100 * structured['relative_throughput']:.1f}% of the unconstrained throughput "
-            f"({constrained.wall_seconds:.2f} s vs {reference.wall_seconds:.2f} s)."
+            f"({constrained.wall_seconds:.2f} s vs {reference.wall_seconds:.2f} s); by CPU "
+            f"time, {100 * structured['relative_cpu_throughput']:.1f}% "
+            f"({constrained.cpu_seconds:.2f} s vs {reference.cpu_seconds:.2f} s)."
         )
     result = {
         "benchmark": "throughput",
