@@ -45,8 +45,10 @@ def configure_environment(job: dict[str, Any]) -> None:
     budget = kv_cache_bytes(
         options["model_dir"], options["dtype"], options["max_num_seqs"], options["max_model_len"]
     )
-    # NOTE: whole GiB only (vLLM parses an int), rounded up so vLLM never holds fewer
-    # sequences than paged_llm; without it vLLM takes 4 GiB.
+    # NOTE: whole GiB only (vLLM parses an int), rounded up; without it vLLM takes 4 GiB.
+    # vLLM fits fewer tokens in a GiB than this count says (SmolLM2 float32, workload b:
+    # 1 GiB held 20,323 tokens, paged_llm's budget 21,440), so near a whole GiB it may
+    # hold a few fewer full-length sequences (workload b fills neither: ~10,000 tokens).
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(budget / GIB)))
     # vLLM's default ("auto") binds OpenMP threads to cores and reserves one core for its
     # scheduler process: on a 2-core machine that leaves one compute thread. "nobind" runs
