@@ -107,8 +107,9 @@ class EngineRun:
     engine: str
     wall_seconds: float
     load_seconds: float
-    # CPU seconds of this process (all its threads) in the timed run: on a machine other
-    # jobs share, the work done, where wall seconds also count the waiting.
+    # CPU seconds of this process (all its threads; vllm: all its processes) in the timed
+    # run: on a machine other jobs share, the work done, where wall seconds also count the
+    # waiting.
     cpu_seconds: float
     # Each request's useful tokens (exactly its max_tokens), in workload order.
     output_token_ids: list[list[int]]
