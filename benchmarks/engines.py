@@ -10,6 +10,9 @@ Engines (names as on the command line):
                    only each request's own tokens count as useful output.
     hf_cb          transformers continuous batching (``init_continuous_batching``, the
                    engine behind ``generate_batch``) with its paged KV cache and SDPA.
+    vllm           vLLM's offline ``LLM`` (its CPU build), run by
+                   ``benchmarks/peers/vllm_worker.py`` under the python of the separate venv
+                   that ``benchmarks/peers/setup_vllm_cpu.sh`` makes, never in this one.
 
 Every engine decodes greedily and ignores EOS: the EOS token may be generated and
 decoding goes on, so all engines produce exactly ``max_tokens`` tokens per request.
@@ -26,7 +29,7 @@ import subprocess
 import sys
 import time
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,10 @@ from benchmarks.workloads import BenchRequest, Workload, random_token_requests
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_ENGINES = ("paged_llm", "hf_static16", "hf_static64", "hf_cb")
+VLLM_ENGINE = "vllm"
+VLLM_WORKER = REPO_ROOT / "benchmarks" / "peers" / "vllm_worker.py"
+# NOTE: setup_vllm_cpu.sh makes its venv here by default too.
+DEFAULT_VLLM_VENV = Path("~/.cache/paged_llm/vllm-cpu-venv").expanduser()
 _HF_STATIC_RE = re.compile(r"hf_static(\d+)")
 
 # Warm-up requests use token ids from their own seed, so they share no prefix-cache block
@@ -71,6 +78,8 @@ class EngineOptions:
     quantization: str | None = None
     # paged_llm only: after the timed run, also measure `benchmarks.perplexity`.
     measure_perplexity: bool = False
+    # vllm only: the python of the venv that benchmarks/peers/setup_vllm_cpu.sh made.
+    vllm_python: str | None = None
 
 
 # Records with bounded fields, at least 10,000 of them: no request of a benchmark can finish
@@ -98,8 +107,9 @@ class EngineRun:
     engine: str
     wall_seconds: float
     load_seconds: float
-    # CPU seconds of this process (all its threads) in the timed run: on a machine other
-    # jobs share, the work done, where wall seconds also count the waiting.
+    # CPU seconds of this process (all its threads; vllm: all its processes) in the timed
+    # run: on a machine other jobs share, the work done, where wall seconds also count the
+    # waiting.
     cpu_seconds: float
     # Each request's useful tokens (exactly its max_tokens), in workload order.
     output_token_ids: list[list[int]]
@@ -336,15 +346,11 @@ class HFContinuousEngine(Engine):
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-        from paged_llm.platforms import get_platform
-
         self.model = load_hf_model(options, "sdpa")
         # The same batching limits as paged_llm's defaults, and a cache that holds
         # max_num_seqs sequences of max_model_len tokens, as paged_llm's does, instead of
         # transformers' "share of free memory" sizing.
-        platform = get_platform(options.device)
-        max_num_seqs = options.max_num_seqs or platform.default_max_num_seqs
-        max_batch_tokens = options.max_num_batched_tokens or platform.default_max_num_batched_tokens
+        max_num_seqs, max_batch_tokens = batching_limits(options)
         page_size = ContinuousBatchingConfig.page_size
         num_blocks = max_num_seqs * math.ceil(options.max_model_len / page_size)
         self.cb_config = ContinuousBatchingConfig(
@@ -407,22 +413,42 @@ class HFContinuousEngine(Engine):
         self.manager.destroy()
 
 
+def default_vllm_python() -> Path:
+    """$PAGED_LLM_VLLM_PYTHON, else the python of setup_vllm_cpu.sh's default venv."""
+    configured = os.environ.get("PAGED_LLM_VLLM_PYTHON")
+    return Path(configured) if configured else DEFAULT_VLLM_VENV / "bin" / "python"
+
+
+def batching_limits(options: EngineOptions) -> tuple[int, int]:
+    """max_num_seqs and max_num_batched_tokens as paged_llm resolves them on the device, so
+    that engines which take them run with paged_llm's limits."""
+    from paged_llm.platforms import get_platform
+
+    platform = get_platform(options.device)
+    return (
+        options.max_num_seqs or platform.default_max_num_seqs,
+        options.max_num_batched_tokens or platform.default_max_num_batched_tokens,
+    )
+
+
 def validate_engine_name(name: str) -> str:
-    if name in ("paged_llm", "hf_cb") or _HF_STATIC_RE.fullmatch(name):
+    if name in ("paged_llm", "hf_cb", VLLM_ENGINE) or _HF_STATIC_RE.fullmatch(name):
         return name
     raise ValueError(
-        f"unknown engine {name!r}; expected paged_llm, hf_cb or hf_static<batch size> "
+        f"unknown engine {name!r}; expected paged_llm, hf_cb, vllm or hf_static<batch size> "
         "(e.g. hf_static16; hf_static1 is transformers one prompt at a time)."
     )
 
 
 def make_engine(name: str, options: EngineOptions) -> Engine:
+    """An engine of this environment (vllm runs in its own: `run_engine_in_subprocess`)."""
     if name == "paged_llm":
         return PagedLLMEngine(options)
     if name == "hf_cb":
         return HFContinuousEngine(options)
     match = _HF_STATIC_RE.fullmatch(validate_engine_name(name))
-    assert match is not None
+    if match is None:
+        raise ValueError(f"engine {name!r} does not run in this environment.")
     return HFStaticEngine(options, int(match.group(1)))
 
 
@@ -432,24 +458,29 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_engine(name: str, options: EngineOptions, workload: Workload) -> EngineRun:
+def warmup_requests(max_model_len: int) -> list[BenchRequest]:
+    """Requests every engine runs before it is timed, so that first-call costs (allocator
+    growth, kernel selection, lazy init) stay out of the timed run. They must fit
+    max_model_len, which a tiny workload makes small."""
+    input_len = max(1, min(32, max_model_len // 2))
+    return random_token_requests(
+        num_requests=2,
+        input_len=input_len,
+        output_len=max(1, min(4, max_model_len - input_len)),
+        seed=_WARMUP_SEED,
+        vocab_limit=1000,
+    )
+
+
+def run_engine(
+    name: str, options: EngineOptions, workload: Workload, warmup: list[BenchRequest]
+) -> EngineRun:
     """Load ``name``, warm it up, then time it on the whole workload (in this process)."""
     torch.set_num_threads(options.threads)
     load_started = time.perf_counter()
     engine = make_engine(name, options)
     load_seconds = time.perf_counter() - load_started
     try:
-        # Warm-up: first-call costs (allocator growth, kernel selection, lazy init) stay
-        # out of the timed run. Its requests must fit max_model_len, which a tiny workload
-        # makes small.
-        warmup_input_len = max(1, min(32, options.max_model_len // 2))
-        warmup = random_token_requests(
-            num_requests=2,
-            input_len=warmup_input_len,
-            output_len=max(1, min(4, options.max_model_len - warmup_input_len)),
-            seed=_WARMUP_SEED,
-            vocab_limit=1000,
-        )
         engine.generate(warmup)
         if options.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -466,11 +497,6 @@ def run_engine(name: str, options: EngineOptions, workload: Workload) -> EngineR
         quality = engine.quality(options.measure_perplexity)
     finally:
         engine.close()
-    for index, (tokens, request) in enumerate(zip(token_ids, workload.requests, strict=True)):
-        if len(tokens) != request.max_tokens:
-            raise RuntimeError(
-                f"{name}: request {index} got {len(tokens)} tokens, expected {request.max_tokens}."
-            )
     delta = {key: after[key] - before[key] for key in after}
     return EngineRun(
         engine=name,
@@ -506,17 +532,48 @@ def worker_env(threads: int) -> dict[str, str]:
     return env
 
 
+def write_job(name: str, options: EngineOptions, workload: Workload, job_path: Path) -> None:
+    """The JSON a worker reads: the engine, its options, the workload and the warm-up."""
+    if name == VLLM_ENGINE:
+        # The vLLM worker cannot import paged_llm to resolve these defaults itself.
+        max_num_seqs, max_num_batched_tokens = batching_limits(options)
+        options = replace(
+            options, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        )
+    job = {
+        "engine": name,
+        "options": asdict(options),
+        "workload": workload.to_json(),
+        "warmup": [asdict(r) for r in warmup_requests(options.max_model_len)],
+    }
+    job_path.write_text(json.dumps(job))
+
+
+def worker_command(
+    name: str, options: EngineOptions, job_path: Path, result_path: Path
+) -> list[str]:
+    """The command that runs ``name`` on a job: vllm under its venv's python, every other
+    engine under this one."""
+    if name != VLLM_ENGINE:
+        return [sys.executable, "-m", "benchmarks.engines", str(job_path), str(result_path)]
+    if options.vllm_python is None:
+        raise ValueError(
+            "engine vllm needs the python of a vLLM venv (--vllm-python); make one with "
+            "bash benchmarks/peers/setup_vllm_cpu.sh."
+        )
+    return [options.vllm_python, str(VLLM_WORKER), str(job_path), str(result_path)]
+
+
 def run_engine_in_subprocess(
     name: str, options: EngineOptions, workload: Workload, work_dir: Path
 ) -> EngineRun:
-    """`run_engine` in a fresh Python process; its output goes to our stderr."""
+    """`run_engine` (or the vLLM worker) in a fresh Python process; its output goes to our
+    stderr."""
     job_path = work_dir / f"{name}-job.json"
     result_path = work_dir / f"{name}-result.json"
-    job_path.write_text(
-        json.dumps({"engine": name, "options": asdict(options), "workload": workload.to_json()})
-    )
+    write_job(name, options, workload, job_path)
     completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.engines", str(job_path), str(result_path)],
+        worker_command(name, options, job_path, result_path),
         cwd=REPO_ROOT,
         env=worker_env(options.threads),
         stdout=sys.stderr,
@@ -524,14 +581,25 @@ def run_engine_in_subprocess(
     )
     if completed.returncode != 0:
         raise RuntimeError(f"engine {name} failed (exit code {completed.returncode}); see above.")
-    return EngineRun(**json.loads(result_path.read_text()))
+    run = EngineRun(**json.loads(result_path.read_text()))
+    for index, (tokens, request) in enumerate(
+        zip(run.output_token_ids, workload.requests, strict=True)
+    ):
+        if len(tokens) != request.max_tokens:
+            raise RuntimeError(
+                f"{name}: request {index} got {len(tokens)} tokens, expected {request.max_tokens}."
+            )
+    return run
 
 
 def main(argv: list[str]) -> None:
     job_path, result_path = argv
     job = json.loads(Path(job_path).read_text())
     run = run_engine(
-        job["engine"], EngineOptions(**job["options"]), Workload.from_json(job["workload"])
+        job["engine"],
+        EngineOptions(**job["options"]),
+        Workload.from_json(job["workload"]),
+        [BenchRequest(**r) for r in job["warmup"]],
     )
     Path(result_path).write_text(json.dumps(asdict(run)))
 

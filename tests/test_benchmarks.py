@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 import transformers
 
-from benchmarks.engines import REPO_ROOT, worker_env
+from benchmarks.engines import (
+    REPO_ROOT,
+    EngineOptions,
+    batching_limits,
+    default_vllm_python,
+    run_engine_in_subprocess,
+    worker_env,
+)
 from benchmarks.roofline import MatmulParams, matmul_params, workload_flops
 from benchmarks.throughput import common_prefix_length
 from benchmarks.workloads import WorkloadSpec, build_workload
@@ -74,14 +81,14 @@ def test_matmul_params_counts_linear_weights(tiny_model_dir: Callable[[str], Pat
     assert params.lm_head == 49152 * hidden
 
 
-def run_module(module: str, *args: str) -> None:
+def run_module(module: str, *args: str, timeout: float = 300) -> None:
     completed = subprocess.run(
         [sys.executable, "-m", module, "--threads", str(THREADS), *args],
         cwd=REPO_ROOT,
         env=worker_env(THREADS),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         check=False,
     )
     assert completed.returncode == 0, completed.stdout + completed.stderr
@@ -392,3 +399,93 @@ def test_batch_invariance_benchmark_times_both_engines_and_counts_changed_reruns
     # The switch's reruns never change; the default's may, on another machine.
     assert re.search(r"batch_invariant=True +[\d.]+ +[\d.]+ +0 of 3\n", report)
     assert re.search(r"batch_invariant=True takes [\d.]+x the default's wall time", report)
+
+
+# A stand-in `vllm` package: the vLLM worker's plumbing runs in the default test run.
+FAKE_VLLM_DIR = Path(__file__).parent / "fake_vllm"
+
+
+def test_vllm_worker_answers_the_job_the_benchmark_writes(
+    tiny_model_dir: Callable[[str], Path],
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(FAKE_VLLM_DIR))
+    from vllm import fake_token_ids
+
+    monkeypatch.setenv("PYTHONPATH", str(FAKE_VLLM_DIR))
+    workload = build_workload(
+        WorkloadSpec("b", num_requests=3, min_output_len=2, max_output_len=5), tokenizer
+    )
+    options = EngineOptions(
+        model_dir=str(tiny_model_dir("llama")),
+        dtype="float32",
+        device="cpu",
+        threads=THREADS,
+        max_model_len=workload.max_seq_len,
+        vllm_python=sys.executable,
+    )
+    run = run_engine_in_subprocess("vllm", options, workload, tmp_path)
+
+    assert run.engine == "vllm"
+    assert run.output_token_ids == [
+        fake_token_ids(r.prompt_token_ids, r.max_tokens) for r in workload.requests
+    ]
+    assert run.computed_output_tokens == workload.num_output_tokens
+    assert run.wall_seconds > 0 and run.load_seconds >= 0 and run.cpu_seconds >= 0
+    assert run.peak_rss_mib > 0
+    # vLLM gets paged_llm's batching limits, and a KV cache of at least paged_llm's size
+    # (a few KiB here, rounded up to vLLM's whole GiB).
+    max_num_seqs, max_num_batched_tokens = batching_limits(options)
+    assert run.settings["max_num_seqs"] == max_num_seqs
+    assert run.settings["max_num_batched_tokens"] == max_num_batched_tokens
+    assert run.settings["max_model_len"] == workload.max_seq_len
+    assert run.settings["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def test_the_vllm_engine_refuses_to_run_without_a_vllm_python(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.throughput", "--engines", "paged_llm,vllm",
+         "--vllm-python", str(missing), "--model", str(tiny_model_dir("llama"))],
+        cwd=REPO_ROOT,
+        env=worker_env(THREADS),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert completed.returncode == 2
+    assert "setup_vllm_cpu.sh" in completed.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not default_vllm_python().is_file(),
+    reason="no vLLM venv: run bash benchmarks/peers/setup_vllm_cpu.sh, or set "
+    "PAGED_LLM_VLLM_PYTHON to a vLLM venv's python",
+)
+def test_throughput_runs_vllm_cpu_as_a_peer_with_the_same_greedy_tokens(tmp_path: Path) -> None:
+    out = tmp_path / "throughput.json"
+    # The embedded SmolLM2: vLLM's CPU attention needs a real head size, not the tiny
+    # models' 16. vLLM's start-up (its torch.compile included) takes a minute or more.
+    run_module(
+        "benchmarks.throughput",
+        "--engines", "paged_llm,vllm",
+        "--vllm-python", str(default_vllm_python()),
+        "--workload", "b",
+        "--num-requests", "3",
+        "--output-len", "4", "8",
+        "--skip-roofline",
+        "--out", str(out),
+        timeout=900,
+    )  # fmt: skip
+    engines = {e["label"]: e for e in json.loads(out.read_text())["engines"]}
+    vllm = engines["vllm"]
+    assert vllm["output_tokens_per_s"] > 0 and vllm["load_seconds"] > 0
+    assert vllm["peak_rss_mib"] > 0
+    # float32 greedy decoding of the same model: the same tokens.
+    assert vllm["identical_to_reference"] == 1
