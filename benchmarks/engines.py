@@ -214,8 +214,11 @@ class PagedLLMEngine(Engine):
         from benchmarks.perplexity import perplexity, text_token_ids
         from paged_llm.layers.weights import weight_memory
 
-        weights = weight_memory(self.llm.engine.model_runner.model)
-        measured = {"weight_mib": sum(weights.values()) / 2**20}
+        measured = {}
+        # NOTE: data-parallel replicas hold their weights in their own processes.
+        if self.llm.config.data_parallel_size == 1:
+            weights = weight_memory(self.llm.engine.model_runner.model)
+            measured["weight_mib"] = sum(weights.values()) / 2**20
         if measure_perplexity:
             measured["perplexity"] = perplexity(self.llm, text_token_ids(self.llm))
         return measured
