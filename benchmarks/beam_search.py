@@ -16,7 +16,6 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 from benchmarks.models import (
     add_device_arguments,
     add_model_arguments,
-    resolve_benchmark_model,
+    benchmark_model_dir,
     resolve_device_arguments,
 )
 from benchmarks.report import format_table, machine_info, machine_line, write_json
@@ -133,35 +132,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     machine = machine_info(args.device, args.threads)
-    with tempfile.TemporaryDirectory(prefix="paged_llm_bench_") as tmp:
-        model_dir = resolve_benchmark_model(
-            args.model, args.random_weights_config, getattr(torch, args.dtype), Path(tmp)
-        )
-        with LLM(
+    with (
+        benchmark_model_dir(args) as model_dir,
+        LLM(
             model_dir,
             dtype=args.dtype,
             device=args.device,
             max_model_len=args.input_len + args.output_len + 1,
-        ) as llm:
-            vocab_limit = min(RANDOM_TOKEN_ID_LIMIT, llm.vocab_size)
-            warmup = random_token_requests(1, args.input_len, 2, args.seed - 1, vocab_limit)
-            warmup_prompts = [request.prompt_token_ids for request in warmup]
-            llm.beam_search(
-                [{"prompt_token_ids": p} for p in warmup_prompts],
-                BeamSearchParams(beam_width=args.beam_width, max_tokens=2),
+        ) as llm,
+    ):
+        vocab_limit = min(RANDOM_TOKEN_ID_LIMIT, llm.vocab_size)
+        warmup = random_token_requests(1, args.input_len, 2, args.seed - 1, vocab_limit)
+        warmup_prompts = [request.prompt_token_ids for request in warmup]
+        llm.beam_search(
+            [{"prompt_token_ids": p} for p in warmup_prompts],
+            BeamSearchParams(beam_width=args.beam_width, max_tokens=2),
+        )
+        # Each round gets its own prompts, so no round hits another's prefix cache.
+        repeats = []
+        for repeat in range(args.repeats):
+            requests = random_token_requests(
+                args.num_prompts,
+                args.input_len,
+                args.output_len,
+                args.seed + repeat,
+                vocab_limit,
             )
-            # Each round gets its own prompts, so no round hits another's prefix cache.
-            repeats = []
-            for repeat in range(args.repeats):
-                requests = random_token_requests(
-                    args.num_prompts,
-                    args.input_len,
-                    args.output_len,
-                    args.seed + repeat,
-                    vocab_limit,
-                )
-                prompts = [request.prompt_token_ids for request in requests]
-                repeats.append(run_repeat(llm, prompts, args))
+            prompts = [request.prompt_token_ids for request in requests]
+            repeats.append(run_repeat(llm, prompts, args))
 
     print(machine_line(machine, args.device, args.dtype))
     print(

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ from benchmarks.engines import generate_greedy
 from benchmarks.models import (
     add_device_arguments,
     add_model_arguments,
-    resolve_benchmark_model,
+    benchmark_model_dir,
     resolve_device_arguments,
 )
 from benchmarks.report import format_table, machine_info, machine_line, write_json
@@ -133,33 +132,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     machine = machine_info(args.device, args.threads)
-    with tempfile.TemporaryDirectory(prefix="paged_llm_bench_") as tmp:
-        model_dir = resolve_benchmark_model(
-            args.model, args.random_weights_config, getattr(torch, args.dtype), Path(tmp)
-        )
-        with LLM(
+    with (
+        benchmark_model_dir(args) as model_dir,
+        LLM(
             model_dir,
             dtype=args.dtype,
             device=args.device,
             max_model_len=args.input_len + args.output_len,
             max_num_seqs=max(args.concurrency),
             max_num_batched_tokens=args.max_num_batched_tokens,
-        ) as llm:
-            # Warm-up: one batch at the full lengths, with prompts no level uses.
-            warmup = random_token_requests(
-                min(4, max(args.concurrency)), args.input_len, args.output_len, args.seed - 1, 1000
-            )
-            generate_greedy(llm, warmup)
-            # Each level gets its own prompt seeds, so no level hits another's prefix cache.
-            levels = [
-                run_level(llm, args, concurrency, seed=args.seed + 1000 * index)
-                for index, concurrency in enumerate(args.concurrency)
-            ]
-            settings = {
-                "max_num_seqs": llm.config.max_num_seqs,
-                "max_num_batched_tokens": llm.config.max_num_batched_tokens,
-                "max_model_len": llm.config.max_model_len,
-            }
+        ) as llm,
+    ):
+        # Warm-up: one batch at the full lengths, with prompts no level uses.
+        warmup = random_token_requests(
+            min(4, max(args.concurrency)), args.input_len, args.output_len, args.seed - 1, 1000
+        )
+        generate_greedy(llm, warmup)
+        # Each level gets its own prompt seeds, so no level hits another's prefix cache.
+        levels = [
+            run_level(llm, args, concurrency, seed=args.seed + 1000 * index)
+            for index, concurrency in enumerate(args.concurrency)
+        ]
+        settings = {
+            "max_num_seqs": llm.config.max_num_seqs,
+            "max_num_batched_tokens": llm.config.max_num_batched_tokens,
+            "max_model_len": llm.config.max_model_len,
+        }
 
     print(machine_line(machine, args.device, args.dtype))
     print(

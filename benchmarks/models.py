@@ -8,7 +8,10 @@ weights are, so a random-weight model has the speed of the real one and needs no
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -132,3 +135,13 @@ def resolve_benchmark_model(
     return build_random_weight_model(
         random_weights_config, tokenizer_dir, dtype, work_dir / f"random-{name}"
     )
+
+
+@contextlib.contextmanager
+def benchmark_model_dir(args: argparse.Namespace) -> Iterator[Path]:
+    """`resolve_benchmark_model` for the parsed ``--model``, ``--random-weights-config`` and
+    ``--dtype``; a random-weight model lives in a temporary directory until the block ends."""
+    with tempfile.TemporaryDirectory(prefix="paged_llm_bench_") as tmp:
+        yield resolve_benchmark_model(
+            args.model, args.random_weights_config, getattr(torch, args.dtype), Path(tmp)
+        )

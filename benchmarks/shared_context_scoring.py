@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 from benchmarks.models import (
     add_device_arguments,
     add_model_arguments,
-    resolve_benchmark_model,
+    benchmark_model_dir,
     resolve_device_arguments,
 )
 from benchmarks.report import format_table, machine_info, machine_line, write_json
@@ -112,10 +111,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     machine = machine_info(args.device, args.threads)
-    with tempfile.TemporaryDirectory(prefix="paged_llm_bench_") as tmp:
-        model_dir = resolve_benchmark_model(
-            args.model, args.random_weights_config, getattr(torch, args.dtype), Path(tmp)
-        )
+    with benchmark_model_dir(args) as model_dir:
         runs = [run(model_dir, args, way) for way in ("whole", "continuation")]
     whole, continuation = runs
     max_difference = max(abs(a - b) for a, b in zip(whole.scores, continuation.scores, strict=True))
