@@ -128,8 +128,10 @@ class Scheduler:
         # computing it again (the choices of a multiple-choice question, a shared system
         # prompt, the rest of a long prompt being chunked). Their order in the queue stays.
         in_flight: set[BlockHash] = set()
-        for seq, num_new in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
-            in_flight.update(self._completed_block_hashes(seq, num_new))
+        if self.waiting and self.block_manager.enable_prefix_caching:
+            # Only admissions read it: a decode step with nobody waiting skips the walk.
+            for seq, num_new in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
+                in_flight.update(self._completed_block_hashes(seq, num_new))
         deferred: list[Sequence] = []
         # NOTE: no admissions in a step that preempted: blocks are short, and a newcomer
         # would only be preempted in turn.
