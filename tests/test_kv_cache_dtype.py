@@ -36,8 +36,7 @@ from tests.models.test_parity import (
     generate_greedy,
     group_settings,
 )
-from tests.test_reproducibility import MAX_MODEL_LEN as REPRODUCIBILITY_MAX_MODEL_LEN
-from tests.test_reproducibility import PROMPTS, _run
+from tests.test_reproducibility import check_bit_identical_however_run
 
 
 def _rounded_kv_sdpa(dtype: torch.dtype) -> Callable[..., Any]:
@@ -227,31 +226,9 @@ def test_batch_invariant_fp8_outputs_and_logprobs_are_bit_identical_however_they
 ) -> None:
     """Rounding to fp8 is per element, so batch_invariant=True stays exact: from the prefix
     cache or not, alone or batched, chunked and preempted."""
-    model_dir = tiny_model_dir("qwen3")
-    everything = list(range(len(PROMPTS)))
-
-    def build(**settings: Any) -> LLM:
-        return LLM(
-            model_dir,
-            max_model_len=REPRODUCIBILITY_MAX_MODEL_LEN,
-            batch_invariant=True,
-            kv_cache_dtype="fp8",
-            **settings,
-        )
-
-    with build() as llm:
-        batched = _run(llm, everything)
-        assert _run(llm, everything) == batched
-        assert llm.get_metrics().prefix_cache_hit_tokens > 0
-        assert [_run(llm, [i])[0] for i in (1, 3)] == [batched[1], batched[3]]
-    # 24 blocks of 16 tokens: 2 layers x 2 KV heads x head_dim 32 x 1 byte, K and V.
-    with build(
-        enable_prefix_caching=False,
-        max_num_batched_tokens=16,
-        kv_cache_memory_bytes=24 * 16 * 2 * 2 * 2 * 32,
-    ) as constrained:
-        assert _run(constrained, everything[::-1]) == batched[::-1]
-        assert constrained.get_metrics().num_preemptions > 0
+    check_bit_identical_however_run(
+        tiny_model_dir("qwen3"), kv_element_bytes=1, kv_cache_dtype="fp8"
+    )
 
 
 def test_beam_forks_copy_fp8_blocks_and_change_no_beam(

@@ -46,14 +46,29 @@ def _run(llm: LLM, indices: list[int]) -> list[Result]:
 def test_seeded_outputs_and_logprobs_are_bit_identical_however_they_are_run(
     tiny_model_dir: Callable[[str], Path], name: str
 ) -> None:
-    model_dir = tiny_model_dir(name)
+    check_bit_identical_however_run(tiny_model_dir(name), kv_element_bytes=4)
+
+
+def check_bit_identical_however_run(
+    model_dir: Path, kv_element_bytes: int, **llm_settings: Any
+) -> None:
+    """batch_invariant=True: seeded tokens and logprobs from the prefix cache or not, alone
+    or batched, chunked and preempted, all bit-identical."""
     config = json.loads((model_dir / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    block_bytes = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
+    block_bytes = (
+        2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim
+    ) * kv_element_bytes
     everything = list(range(len(PROMPTS)))
 
     def build(**settings: Any) -> LLM:
-        return LLM(model_dir, max_model_len=MAX_MODEL_LEN, batch_invariant=True, **settings)
+        return LLM(
+            model_dir,
+            max_model_len=MAX_MODEL_LEN,
+            batch_invariant=True,
+            **llm_settings,
+            **settings,
+        )
 
     with build() as llm:
         batched = _run(llm, everything)
