@@ -40,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     add_model_arguments(parser)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--top", type=int, default=15, help="operators to list")
     parser.add_argument("--out", type=Path, default=None, help="write JSON results here")
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         workload = build_workload(spec, AutoTokenizer.from_pretrained(model_dir))
         with LLM(
-            model_dir, dtype="float32", device="cpu", max_model_len=workload.max_seq_len
+            model_dir, dtype=args.dtype, device="cpu", max_model_len=workload.max_seq_len
         ) as llm:
             # Warm-up on the first request alone: oneDNN and the allocator settle.
             generate_greedy(llm, workload.requests[:1])

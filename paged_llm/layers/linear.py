@@ -19,6 +19,16 @@ from paged_llm.layers.weights import CheckpointTensor
 
 # Batch size oneDNN tunes a packed weight for; measured flat from 16 to 2048 rows.
 _PACK_BATCH_HINT = 64
+# Where the processor has no bfloat16 GEMM (no AVX-512 BF16 / AMX / AVX-NE-CONVERT), torch
+# multiplies bfloat16 through a generic loop: measured on a 2-core AVX2 EPYC, a 64-row
+# matmul of SmolLM2's layers took 5-7x longer than converting the weight to float32 and
+# running a float32 GEMM. From this many rows the conversion pays; below it (a lone
+# decode) the bfloat16 matrix-vector loop, reading half the bytes, is faster.
+_FLOAT32_GEMM_MIN_ROWS = 4
+# Weight rows converted at a time: 256 rows of a 576-wide layer are 590 KB of float32,
+# which stay in the core's cache between the conversion and the GEMM that reads them
+# (and a 49,152-row LM head never needs a float32 copy of itself).
+_FLOAT32_GEMM_CHUNK_ROWS = 256
 
 
 @functools.cache
@@ -65,6 +75,9 @@ class Linear(nn.Linear):
     # Rows per matmul call when results must not depend on the batch (see
     # `use_fixed_row_tiles`); None runs the whole batch in one call.
     row_tile: int | None = None
+    # Whether a bfloat16 weight multiplies as float32 from `_FLOAT32_GEMM_MIN_ROWS` rows
+    # (see `prepack_for_cpu`).
+    float32_gemm: bool = False
 
     def __init__(
         self,
@@ -140,19 +153,39 @@ class Linear(nn.Linear):
             return self.quant_method.apply(self, x, bias)
         if self.onednn_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, bias, "none", [], "")
+        if self.float32_gemm and x.shape[0] >= _FLOAT32_GEMM_MIN_ROWS:
+            return _float32_gemm(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
 
+def _float32_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` in float32 GEMMs over `_FLOAT32_GEMM_CHUNK_ROWS`-row
+    float32 copies of the weight, returned in ``x``'s dtype. A bfloat16 product is exact in
+    float32 and torch's bfloat16 GEMM accumulates in float32 too, so only the order of the
+    additions differs."""
+    x32 = x.float()
+    out = torch.cat(
+        [F.linear(x32, chunk.float()) for chunk in weight.split(_FLOAT32_GEMM_CHUNK_ROWS)],
+        dim=-1,
+    )
+    if bias is not None:
+        out += bias
+    return out.to(x.dtype)
+
+
 def prepack_for_cpu(model: nn.Module, dtype: torch.dtype) -> None:
-    """Switch every `Linear` of a CPU model to oneDNN, where it runs in ``dtype`` here."""
+    """Give every unquantized `Linear` of a CPU model its fastest matmul here: oneDNN where
+    it runs in ``dtype``, else, for bfloat16 weights, float32 GEMMs over converted chunks."""
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.quant_method is None]
     if not onednn_linear_available(dtype):
+        for module in linears:
+            module.float32_gemm = dtype == torch.bfloat16
         return
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
-    for module in model.modules():
-        if isinstance(module, Linear) and module.quant_method is None:
-            module.prepack(keep_dense_weight=uses[id(module.weight)] > 1)
+    for module in linears:
+        module.prepack(keep_dense_weight=uses[id(module.weight)] > 1)
     _return_freed_heap_memory()
 
 

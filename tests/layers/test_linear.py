@@ -1,4 +1,5 @@
-"""`Linear`'s fixed row tiles: a row's result depends on that row alone."""
+"""`Linear`'s CPU matmuls: fixed row tiles (a row's result depends on that row alone),
+oneDNN packing, and bfloat16 weights multiplied in float32."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from paged_llm.layers.linear import (
     BATCH_INVARIANT_ROW_TILE,
     Linear,
     onednn_linear_available,
+    prepack_for_cpu,
     use_fixed_row_tiles,
 )
 
@@ -55,3 +57,29 @@ def test_a_shared_weight_is_multiplied_in_place_and_a_packed_one_drops_its_dense
         assert owned.weight.numel() == 0
         torch.testing.assert_close(shared(rows), expected)
         torch.testing.assert_close(owned(rows), expected)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_weights_multiply_in_float32_from_a_few_rows(bias: bool) -> None:
+    """On a processor without bfloat16 GEMMs a bfloat16 layer converts its weight to float32
+    in chunks (the 600 output rows cross chunk boundaries); a lone row keeps the bfloat16
+    kernel. Either way the result is the exact product rounded to bfloat16, give or take
+    the order of the float32 additions."""
+    torch.manual_seed(0)
+    layer = Linear(96, 600, bias=bias).to(torch.bfloat16)
+    prepack_for_cpu(layer, torch.bfloat16)
+    assert layer.float32_gemm != onednn_linear_available(torch.bfloat16)
+    layer.float32_gemm = True
+    rows = torch.randn(17, 96, dtype=torch.bfloat16)
+    exact = rows.double() @ layer.weight.double().T
+    if bias:
+        exact += layer.bias.double()
+    with torch.no_grad():
+        for batch in (rows[:1], rows[:4], rows):
+            out = layer(batch)
+            assert out.dtype == torch.bfloat16 and out.shape == (len(batch), 600)
+            # One bfloat16 rounding of the exact result, at most.
+            torch.testing.assert_close(out.double(), exact[: len(batch)], rtol=2**-8, atol=1e-5)
+        assert torch.equal(
+            layer(rows[:1]), torch.nn.functional.linear(rows[:1], layer.weight, layer.bias)
+        )
