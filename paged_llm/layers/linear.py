@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +66,8 @@ class Linear(nn.Linear):
     # Rows per matmul call when results must not depend on the batch (see
     # `use_fixed_row_tiles`); None runs the whole batch in one call.
     row_tile: int | None = None
+    # False for a layer whose weight is only looked up (the embedding): nothing to pack.
+    multiplies: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -151,7 +154,7 @@ def prepack_for_cpu(model: nn.Module, dtype: torch.dtype) -> None:
     for _, param in model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
     for module in model.modules():
-        if isinstance(module, Linear) and module.quant_method is None:
+        if isinstance(module, Linear) and module.quant_method is None and module.multiplies:
             module.prepack(keep_dense_weight=uses[id(module.weight)] > 1)
     _return_freed_heap_memory()
 

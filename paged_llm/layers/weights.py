@@ -24,11 +24,21 @@ class CheckpointTensor:
     def read(
         self, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None
     ) -> torch.Tensor:
-        """The whole tensor, or ``rows=(start, size)`` / ``cols=(start, size)`` of it."""
-        row_part = slice(None) if rows is None else slice(rows[0], rows[0] + rows[1])
+        """The whole tensor, or ``rows=(start, size)`` / ``cols=(start, size)`` of it.
+
+        Rows past the tensor's last are zero: the vocabulary's last tensor-parallel shard
+        asks for more rows than there are tokens (a layer's `checkpoint_part` checks the
+        shape first, so no other read goes past the end).
+        """
+        start, size = (0, self.shape[0]) if rows is None else rows
+        stop = min(start + size, self.shape[0])
+        start = min(start, stop)
         if cols is None:
-            return self._source[row_part]
-        return self._source[row_part, cols[0] : cols[0] + cols[1]]
+            read = self._source[start:stop]
+        else:
+            read = self._source[start:stop, cols[0] : cols[0] + cols[1]]
+        missing = size - (stop - start)
+        return read if missing == 0 else torch.cat([read, read.new_zeros(missing, *read.shape[1:])])
 
     def check_shape(self, expected: tuple[int, ...]) -> None:
         if self.shape != expected:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from paged_llm.layers.kernels import triton_kernels
@@ -32,8 +33,11 @@ class Int8LinearMethod(QuantizedLinearMethod):
     Activations stay in the model's dtype. On CPU the matmul is torch's
     ``_weight_int8pack_mm`` (vectorized for bfloat16 activations; for float32 it runs a
     scalar loop, see docs/quantization.md); on CUDA it is csrc_triton's
-    `int8_weight_matmul`, which dequantizes in the GEMM's inner loop.
+    `int8_weight_matmul`, which dequantizes in the GEMM's inner loop. An embedding looks up
+    int8 rows and multiplies each by its scale.
     """
+
+    quantizes_embeddings = True
 
     def __init__(self, triton: bool) -> None:
         self.triton = triton
@@ -62,3 +66,7 @@ class Int8LinearMethod(QuantizedLinearMethod):
         else:
             out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), qweight, scale)
         return out if bias is None else out.add_(bias)
+
+    def embedding(self, layer: Linear, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        scale = layer.get_buffer("weight_scale")
+        return F.embedding(token_ids, layer.weight).to(dtype) * scale[token_ids, None].to(dtype)

@@ -1,9 +1,10 @@
 """quantization="int8": weight-only int8 with per-output-channel scales.
 
-The reference is transformers in float32 with every decoder projection replaced by its
-int8 round trip, computed here from the format's definition (scale = the row's absmax /
-127, round to nearest, clamp to [-127, 127]): greedy tokens must be the same under every
-kind of batching, on one rank and on two.
+The reference is transformers in float32 with every decoder projection, the embedding and
+the LM head (each row of the vocabulary) replaced by its int8 round trip, computed here
+from the format's definition (scale = the row's absmax / 127, round to nearest, clamp to
+[-127, 127]): greedy tokens must be the same under every kind of batching, on one rank
+and on two.
 """
 
 from __future__ import annotations
@@ -34,17 +35,26 @@ _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 def int8_round_trip(weight: torch.Tensor) -> torch.Tensor:
-    """What an int8 weight with one absmax scale per output row stands for."""
-    scale = weight.abs().amax(dim=1, keepdim=True) / 127
+    """What an int8 weight with one absmax scale per output row stands for (an all-zero
+    row, such as an embedding's padding token, stays zero)."""
+    absmax = weight.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(absmax > 0, absmax / 127, 1.0)
     return (weight / scale).round().clamp(-127, 127) * scale
 
 
-def dequantized_reference(model_dir: Path) -> transformers.PreTrainedModel:
+def dequantized_reference(model_dir: Path, embeddings: bool = True) -> transformers.PreTrainedModel:
+    """Transformers with the weights int8 stands for: the projections', and with
+    ``embeddings`` the embedding's and LM head's (a tied one round-tripped once)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    names = _PROJECTIONS + (("embed_tokens", "lm_head") if embeddings else ())
+    weights = {
+        id(module.weight): module.weight
+        for name, module in model.named_modules()
+        if name.rsplit(".", 1)[-1] in names
+    }
     with torch.no_grad():
-        for name, module in model.named_modules():
-            if name.rsplit(".", 1)[-1] in _PROJECTIONS:
-                module.weight.copy_(int8_round_trip(module.weight))
+        for weight in weights.values():
+            weight.copy_(int8_round_trip(weight))
     return model.eval()
 
 
