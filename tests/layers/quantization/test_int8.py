@@ -115,17 +115,26 @@ def test_two_ranks_quantize_each_row_with_its_whole_row_scale(
     check_scenario("default", outputs, metrics, expected)
 
 
+@pytest.mark.parametrize("quantize_embeddings", [True, False])
 def test_logprobs_and_n_match_the_dequantized_reference(
-    tiny_model_dir: Callable[[str], Path], tokenizer: transformers.PreTrainedTokenizerBase
+    quantize_embeddings: bool,
+    tiny_model_dir: Callable[[str], Path],
+    tokenizer: transformers.PreTrainedTokenizerBase,
 ) -> None:
+    """On a tied model; quantize_embeddings=False keeps its embedding and LM head float."""
     prompt = _prompts(tokenizer)[1][:40]
-    reference = dequantized_reference(tiny_model_dir("qwen3"))
+    reference = dequantized_reference(tiny_model_dir("qwen3"), quantize_embeddings)
     with torch.no_grad():
         expected = torch.log_softmax(reference(torch.tensor([prompt])).logits[0], dim=-1)
     params = SamplingParams(
         temperature=1.0, n=3, seed=3, max_tokens=4, logprobs=2, prompt_logprobs=1
     )
-    with LLM(tiny_model_dir("qwen3"), quantization="int8", max_model_len=128) as llm:
+    with LLM(
+        tiny_model_dir("qwen3"),
+        quantization="int8",
+        quantize_embeddings=quantize_embeddings,
+        max_model_len=128,
+    ) as llm:
         (output,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
     assert len(output.outputs) == 3
     assert len({tuple(c.token_ids) for c in output.outputs}) > 1
