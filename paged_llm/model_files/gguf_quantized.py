@@ -155,8 +155,8 @@ def quantized_tensors(
     """The decoder projections of ``gguf_path``, repacked, under transformers' names and
     with llama.cpp's q/k row permutation undone; with ``embeddings``, also the token
     embedding and LM head where the file stores them in a type kept quantized (llama.cpp
-    quantizes them in all its usual presets: Q8_0 in SmolLM2's Q4_1 file, Q4_K / Q6_K in
-    Q4_K_M); a float one stays float, as the file has it."""
+    quantizes them in its usual presets: SmolLM2's Q4_1 file has a Q8_0 embedding); a
+    float one stays float, as the file has it."""
     reader = import_gguf().GGUFReader(gguf_path)
     permuted = _metadata(reader, "general.architecture") in _ROPE_PERMUTED_ARCHITECTURES
     for tensor in reader.tensors:
