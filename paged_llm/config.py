@@ -236,6 +236,7 @@ class EngineConfig:
             args.quantize_embeddings,
             "a bool",
         )
+        platform.check_quantization(args.quantization)
         if args.quantization == "gguf" and gguf_source(model_dir) is None:
             raise ValueError(
                 f"LLM argument quantization='gguf' keeps a .gguf file's weights quantized; "

@@ -13,7 +13,7 @@ from paged_llm.distributed.group import TensorParallelGroup
 from paged_llm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from paged_llm.layers.quantization import get_quantized_linear_method
 from paged_llm.layers.quantization.grouped import GroupQuantizedLinearMethod, GroupQuantizedTensor
-from paged_llm.layers.quantization.int8 import quantize_int8
+from paged_llm.layers.quantization.per_channel import quantize_per_channel
 from paged_llm.layers.weights import CheckpointTensor
 
 gguf = pytest.importorskip("gguf")
@@ -33,7 +33,7 @@ def _stored_values(quantization: str | None, weight: torch.Tensor) -> torch.Tens
     if quantization is None:
         return weight
     if quantization == "int8":
-        codes, scale = quantize_int8(weight)
+        codes, scale = quantize_per_channel(weight, torch.int8)
         return codes.float() * scale[:, None]
     blocks = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q8_0)
     return torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0))

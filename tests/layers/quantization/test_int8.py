@@ -42,9 +42,14 @@ def int8_round_trip(weight: torch.Tensor) -> torch.Tensor:
     return (weight / scale).round().clamp(-127, 127) * scale
 
 
-def dequantized_reference(model_dir: Path, embeddings: bool = True) -> transformers.PreTrainedModel:
-    """Transformers with the weights int8 stands for: the projections', and with
-    ``embeddings`` the embedding's and LM head's (a tied one round-tripped once)."""
+def dequantized_reference(
+    model_dir: Path,
+    embeddings: bool = True,
+    round_trip: Callable[[torch.Tensor], torch.Tensor] = int8_round_trip,
+) -> transformers.PreTrainedModel:
+    """Transformers with the weights a format stands for (``round_trip``, int8's by
+    default): the projections', and with ``embeddings`` the embedding's and LM head's (a
+    tied one round-tripped once)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     names = _PROJECTIONS + (("embed_tokens", "lm_head") if embeddings else ())
     weights = {
@@ -54,7 +59,7 @@ def dequantized_reference(model_dir: Path, embeddings: bool = True) -> transform
     }
     with torch.no_grad():
         for weight in weights.values():
-            weight.copy_(int8_round_trip(weight))
+            weight.copy_(round_trip(weight))
     return model.eval()
 
 
