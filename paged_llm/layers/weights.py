@@ -30,15 +30,10 @@ class CheckpointTensor:
         asks for more rows than there are tokens (a layer's `checkpoint_part` checks the
         shape first, so no other read goes past the end).
         """
-        start, size = (0, self.shape[0]) if rows is None else rows
-        stop = min(start + size, self.shape[0])
-        start = min(start, stop)
+        held, missing = rows_held((0, self.shape[0]) if rows is None else rows, self.shape[0])
         if cols is None:
-            read = self._source[start:stop]
-        else:
-            read = self._source[start:stop, cols[0] : cols[0] + cols[1]]
-        missing = size - (stop - start)
-        return read if missing == 0 else torch.cat([read, read.new_zeros(missing, *read.shape[1:])])
+            return zero_padded(self._source[held], missing)
+        return zero_padded(self._source[held, cols[0] : cols[0] + cols[1]], missing)
 
     def check_shape(self, expected: tuple[int, ...]) -> None:
         if self.shape != expected:
@@ -46,6 +41,20 @@ class CheckpointTensor:
                 f"Checkpoint weight {self.name!r} has shape {self.shape}, the model expects "
                 f"{expected}."
             )
+
+
+def rows_held(rows: tuple[int, int], num_rows: int) -> tuple[slice, int]:
+    """Of rows ``(start, size)``, those a tensor of ``num_rows`` holds, and how many past
+    its end follow them."""
+    start, size = rows
+    stop = min(start + size, num_rows)
+    start = min(start, stop)
+    return slice(start, stop), size - (stop - start)
+
+
+def zero_padded(rows: torch.Tensor, missing: int) -> torch.Tensor:
+    """``rows`` followed by ``missing`` rows of zeros."""
+    return rows if missing == 0 else torch.cat([rows, rows.new_zeros(missing, *rows.shape[1:])])
 
 
 def weight_memory(model: nn.Module) -> dict[torch.dtype, int]:

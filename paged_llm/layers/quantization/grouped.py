@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paged_llm.layers.quantization.base import QuantizedLinearMethod
-from paged_llm.layers.weights import CheckpointTensor
+from paged_llm.layers.weights import CheckpointTensor, rows_held, zero_padded
 
 if TYPE_CHECKING:
     from paged_llm.layers.linear import CheckpointPart, Linear
@@ -51,17 +51,10 @@ class GroupQuantizedWeight:
     def rows(self, start: int, size: int) -> GroupQuantizedWeight:
         """Rows ``[start, start + size)``; rows past the last are zero (codes, scales and
         offsets), as `CheckpointTensor.read` pads a vocabulary's last shard."""
-        stop = min(start + size, self.shape[0])
-        start = min(start, stop)
-        missing = size - (stop - start)
+        held, missing = rows_held((start, size), self.shape[0])
 
         def part(tensor: torch.Tensor) -> torch.Tensor:
-            kept = tensor[start:stop]
-            return (
-                kept
-                if missing == 0
-                else torch.cat([kept, kept.new_zeros(missing, *kept.shape[1:])])
-            )
+            return zero_padded(tensor[held], missing)
 
         offset = None if self.offset is None else part(self.offset)
         return replace(self, codes=part(self.codes), scale=part(self.scale), offset=offset)
