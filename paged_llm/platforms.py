@@ -102,8 +102,8 @@ class Platform:
     def check_quantization(self, quantization: str | None) -> None:
         """Refuse, with a ValueError that says what to use instead, a weight format whose
         matmul does not run here."""
-        # NOTE: torch's CPU kernels take int8 weights only; an fp8 weight would be
-        # dequantized per call, the cost the gguf path measures (docs/quantization.md).
+        # NOTE: torch has no weight-only fp8 matmul on CPU: dequantizing per call measured
+        # 40x float32's time, torch._scaled_mm 60x (docs/quantization.md#fp8-weights).
         if quantization == "fp8" and not self.triton_linear:
             raise ValueError(
                 f"LLM argument quantization='fp8' needs a CUDA GPU (its matmul is a Triton "
