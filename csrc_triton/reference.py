@@ -109,8 +109,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def int8_weight_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Reference for :func:`csrc_triton.int8_weight_matmul`: dequantize, then multiply in
+def weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Reference for :func:`csrc_triton.weight_only_matmul`: dequantize, then multiply in
     float32."""
     dequantized = weight.to(torch.float32) * scale.to(torch.float32)[:, None]
     return (x.to(torch.float32) @ dequantized.T).to(x.dtype)

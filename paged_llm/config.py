@@ -103,6 +103,8 @@ class EngineConfig:
     chunked_prefill: bool
     batch_invariant: bool
     quantization: str | None
+    # Whether `quantization` covers the embedding and LM head too.
+    quantize_embeddings: bool
 
     @property
     def device(self) -> torch.device:
@@ -228,6 +230,13 @@ class EngineConfig:
         dtype = resolve_dtype(args.dtype, hf_config, platform)
         kv_cache_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype] or dtype
         platform.check_kv_cache_dtype(kv_cache_dtype, attention_backend)
+        _check(
+            isinstance(args.quantize_embeddings, bool),
+            "quantize_embeddings",
+            args.quantize_embeddings,
+            "a bool",
+        )
+        platform.check_quantization(args.quantization)
         if args.quantization == "gguf" and gguf_source(model_dir) is None:
             raise ValueError(
                 f"LLM argument quantization='gguf' keeps a .gguf file's weights quantized; "

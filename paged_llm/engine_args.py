@@ -271,12 +271,21 @@ class EngineArgs:
         None,
         "The format of the decoder layers' linear weights: None keeps the checkpoint's "
         'float weights (a .gguf file dequantized exactly to float); "int8" quantizes them '
-        'at load time to int8 with one scale per output channel; "gguf" keeps a .gguf '
+        'at load time to int8 with one scale per output channel, "fp8" (CUDA only) to '
+        'float8_e4m3fn with one scale per output channel; "gguf" keeps a .gguf '
         "file's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights quantized and dequantizes "
-        "them in each matmul. Weight-only: activations stay in dtype; the embedding and LM "
-        "head stay float. See docs/quantization.md.",
+        "them in each matmul. Weight-only: activations stay in dtype. The embedding and LM "
+        "head are quantized too unless quantize_embeddings=False. See docs/quantization.md.",
         cli=_FLAG,
         accepts=(None, *QUANTIZATION_METHODS),
+    )
+    quantize_embeddings: bool = _honoured(
+        True,
+        "With quantization set, also quantize the token embedding and the LM head (for "
+        '"gguf": keep them as the file stores them, quantized or float). Not a vLLM argument: '
+        "vLLM quantizes the LM head only when a checkpoint's config asks. False keeps both "
+        "in dtype.",
+        cli=_FLAG,
     )
     kv_cache_dtype: str = _honoured(
         "auto",

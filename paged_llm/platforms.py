@@ -99,6 +99,19 @@ class Platform:
         """Refuse, with a ValueError that says what to use instead, a KV-cache dtype the
         attention backend cannot read here."""
 
+    def check_quantization(self, quantization: str | None) -> None:
+        """Refuse, with a ValueError that says what to use instead, a weight format whose
+        matmul does not run here."""
+        # NOTE: torch has no weight-only fp8 matmul on CPU: dequantizing per call measured
+        # 40x float32's time, torch._scaled_mm 60x (docs/quantization.md#fp8-weights).
+        if quantization == "fp8" and not self.triton_linear:
+            raise ValueError(
+                f"LLM argument quantization='fp8' needs a CUDA GPU (its matmul is a Triton "
+                f"kernel); the {self.name} platform has no fp8 weight matmul. Use "
+                "quantization='int8' (the same one byte a weight; with dtype='bfloat16' on "
+                "CPU), or 'gguf' for a .gguf model."
+            )
+
     def host_to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host tensor on this platform's device, without blocking the host."""
         return tensor
@@ -163,13 +176,24 @@ class CudaPlatform(Platform):
     def device_count(self) -> int | None:
         return torch.cuda.device_count()
 
+    def converts_fp8_e4m3(self) -> bool:
+        """Whether Triton converts to and from e4m3 here: on compute capability 8.9 and
+        later (Ada, Hopper); e5m2 converts everywhere."""
+        return torch.cuda.get_device_capability(self.device) >= (8, 9)
+
+    def check_quantization(self, quantization: str | None) -> None:
+        if quantization == "fp8" and not self.converts_fp8_e4m3():
+            raise ValueError(
+                f"LLM argument quantization='fp8' (e4m3 weights) needs a GPU of compute "
+                f"capability 8.9 or later; {torch.cuda.get_device_name(self.device)} has less. "
+                "Use quantization='int8'."
+            )
+
     def check_kv_cache_dtype(self, kv_cache_dtype: torch.dtype, attention_backend: str) -> None:
-        # NOTE: Triton converts to and from e4m3 only on compute capability 8.9 and later
-        # (Ada, Hopper); e5m2 converts everywhere.
         if (
             kv_cache_dtype == torch.float8_e4m3fn
             and attention_backend == "triton"
-            and torch.cuda.get_device_capability(self.device) < (8, 9)
+            and not self.converts_fp8_e4m3()
         ):
             raise ValueError(
                 f"kv_cache_dtype='fp8' (e4m3) needs a GPU of compute capability 8.9 or later "

@@ -58,6 +58,10 @@ class FakeGpuPlatform(CudaPlatform):
     def device_count(self) -> int | None:
         return 8
 
+    def converts_fp8_e4m3(self) -> bool:
+        # The interpreter converts on any CPU, as a Hopper GPU would.
+        return True
+
     def for_rank(self, rank: int) -> FakeGpuPlatform:
         return self
 

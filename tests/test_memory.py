@@ -1,11 +1,13 @@
 """What `LLM(...)` adds to the process's resident memory on CPU, against what its weights
-and KV cache take.
+and KV cache take, in float32 and with quantized weights.
 
-Measured in a fresh interpreter, from after ``import paged_llm`` to a built `LLM`: before
-the fix, SmolLM2's tied embedding was held twice (dense for the lookup, oneDNN-packed for the
-LM head) and the dense weights freed by packing stayed in the heap, and the growth was
-1.46x the weights plus the KV cache; now it is about 1.16x, the rest being the config and
-tokenizer (about 100 MiB, shared by every model size).
+Measured in a fresh interpreter each, from after ``import paged_llm`` to a built `LLM`
+over SmolLM2's embedded Q4_1 GGUF with the same 76 MiB KV cache: before the fix, the tied
+embedding was held twice (dense for the lookup, oneDNN-packed for the LM head) and the
+dense weights freed by packing stayed in the heap, and the float32 growth was 1.46x the
+weights plus the KV cache; now it is about 1.16x, the rest being the config and
+tokenizer (about 100 MiB, shared by every model size). With the embedding and LM head
+quantized too, int8 and gguf take under half of float32's growth.
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import smollm2_gguf_path
 
 pytestmark = pytest.mark.slow
 
@@ -23,10 +28,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 MAX_GROWTH_RATIO = 1.25
 
 _MEASURE = """
-import json
+import json, sys
 import paged_llm
+from paged_llm.layers.linear import Linear
 from paged_llm.layers.weights import weight_memory
-from paged_llm.model_files import DEFAULT_MODEL
 
 def resident_bytes():
     for line in open("/proc/self/status"):
@@ -34,27 +39,79 @@ def resident_bytes():
             return int(line.split()[1]) * 1024
 
 before = resident_bytes()
-llm = paged_llm.LLM(DEFAULT_MODEL, max_model_len=1024, kv_cache_memory_bytes=76 * 2**20)
+llm = paged_llm.LLM(sys.argv[1], quantization=json.loads(sys.argv[2]), max_model_len=1024,
+                    kv_cache_memory_bytes=76 * 2**20)
 growth = resident_bytes() - before
 runner = llm.engine.model_runner
+model = runner.model
 print(json.dumps({
     "growth": growth,
-    "weights": sum(weight_memory(runner.model).values()),
+    "weights": sum(weight_memory(model).values()),
     "kv_cache": runner.kv_cache.numel() * runner.kv_cache.element_size(),
+    "projection_params": sum(
+        m.in_features * m.out_features for m in model.modules()
+        if isinstance(m, Linear) and m not in (model.lm_head, model.model.embed_tokens)
+    ),
+    "vocab_params": model.model.embed_tokens.in_features * model.config.vocab_size,
 }))
 """
 
 
-def test_llm_takes_little_more_than_its_weights_and_kv_cache() -> None:
-    completed = subprocess.run(
-        [sys.executable, "-c", _MEASURE],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    measured = json.loads(completed.stdout.strip().splitlines()[-1])
+@pytest.fixture(scope="module")
+def measured() -> Callable[[str | None], dict[str, int]]:
+    """``measured(quantization)``: one fresh interpreter's figures, each measured once."""
+    cache: dict[str | None, dict[str, int]] = {}
+
+    def measure(quantization: str | None) -> dict[str, int]:
+        if quantization not in cache:
+            completed = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    _MEASURE,
+                    str(smollm2_gguf_path()),
+                    json.dumps(quantization),
+                ],
+                cwd=REPO_ROOT,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=True,
+            )
+            cache[quantization] = json.loads(completed.stdout.strip().splitlines()[-1])
+        return cache[quantization]
+
+    return measure
+
+
+def test_llm_takes_little_more_than_its_weights_and_kv_cache(
+    measured: Callable[[str | None], dict[str, int]],
+) -> None:
+    float32 = measured(None)
     # The weights are SmolLM2's float32 parameters, each once: 538 MB.
-    assert 535e6 < measured["weights"] < 540e6
-    assert measured["growth"] < MAX_GROWTH_RATIO * (measured["weights"] + measured["kv_cache"])
+    assert 535e6 < float32["weights"] < 540e6
+    assert float32["growth"] < MAX_GROWTH_RATIO * (float32["weights"] + float32["kv_cache"])
+
+
+@pytest.mark.parametrize(
+    ("quantization", "projection_bytes", "vocab_bytes"),
+    # Bytes a weight: int8 one (plus a scale per row, 1/576th of that). gguf: the file's
+    # Q4_1 projections kept as 4-bit codes plus a float32 scale and offset per 32 (0.75),
+    # its Q8_0 embedding as int8 codes plus a float32 scale per 32 (1.125).
+    [("int8", 1.0, 1.0), ("gguf", 0.75, 1.125)],
+)
+def test_quantized_smollm2_grows_the_process_by_under_half_of_float32(
+    quantization: str,
+    projection_bytes: float,
+    vocab_bytes: float,
+    measured: Callable[[str | None], dict[str, int]],
+) -> None:
+    float32, quantized = measured(None), measured(quantization)
+    expected_weights = (
+        quantized["projection_params"] * projection_bytes + quantized["vocab_params"] * vocab_bytes
+    )
+    # The rest is float32 norms and scales: under 1%.
+    assert expected_weights < quantized["weights"] < 1.01 * expected_weights
+    # NOTE: with the embedding and LM head in float32 (108 MiB), int8 grew by 0.57x of
+    # float32 and gguf by 0.55x.
+    assert quantized["growth"] < 0.5 * float32["growth"]

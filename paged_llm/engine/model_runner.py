@@ -30,11 +30,12 @@ from paged_llm.layers.linear import (
     process_weights_after_loading,
     use_fixed_row_tiles,
 )
-from paged_llm.layers.quantization import get_quantized_linear_method
+from paged_llm.layers.quantization import QuantizedLinearMethod, get_quantized_linear_method
+from paged_llm.layers.quantization.grouped import GroupQuantizedTensor
 from paged_llm.layers.sampler import LogprobsTensors, Sampler, compute_logprobs
 from paged_llm.layers.weights import weight_memory
 from paged_llm.loader import load_quantized_weights, load_weights
-from paged_llm.model_files.gguf_quantized import gguf_source, quantized_projections
+from paged_llm.model_files.gguf_quantized import gguf_source, quantized_tensors
 from paged_llm.models import get_model_class
 from paged_llm.models.context import ModelContext
 from paged_llm.models.llama import LlamaForCausalLM
@@ -48,12 +49,30 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalL
     """Build this rank's shard of the model without initializing weights, then fill it
     from the checkpoint."""
     platform = config.platform
+    method = get_quantized_linear_method(config.quantization, platform.triton_linear)
+    gguf_tensors: list[GroupQuantizedTensor] = []
+    if config.quantization == "gguf":
+        source = gguf_source(config.model_dir)
+        assert source is not None  # NOTE: EngineConfig.create checked it
+        gguf_tensors = list(quantized_tensors(source, config.hf_config, config.quantize_embeddings))
+    kept_quantized = {tensor.name for tensor in gguf_tensors}
+
+    def vocab_method(name: str) -> QuantizedLinearMethod | None:
+        """The format of the embedding or LM head (``name``): the decoder's, unless not
+        asked for or not offered, or (a .gguf) the file stores that tensor unquantized."""
+        if method is None or not (config.quantize_embeddings and method.quantizes_embeddings):
+            return None
+        return method if config.quantization != "gguf" or name in kept_quantized else None
+
     context = ModelContext(
         device=platform.device,
         max_position=config.max_model_len,
+        dtype=config.dtype,
         triton_elementwise=platform.triton_elementwise,
         tp=tp,
-        quant_method=get_quantized_linear_method(config.quantization, platform.triton_linear),
+        quant_method=method,
+        embedding_quant_method=vocab_method("model.embed_tokens.weight"),
+        lm_head_quant_method=vocab_method("lm_head.weight"),
     )
     model_class = get_model_class(config.hf_config)
     with torch.device("meta"):
@@ -61,10 +80,7 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalL
     model = model.to(dtype=config.dtype).to_empty(device=platform.device)
     model.tie_weights()
     load_weights(model, config.model_dir)
-    if config.quantization == "gguf":
-        source = gguf_source(config.model_dir)
-        assert source is not None  # NOTE: EngineConfig.create checked it
-        load_quantized_weights(model, quantized_projections(source, config.hf_config))
+    load_quantized_weights(model, gguf_tensors)
     process_weights_after_loading(model)
     if platform.prepacks_linear_weights:
         prepack_for_cpu(model, config.dtype)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +79,8 @@ class Linear(nn.Linear):
     # Whether a bfloat16 weight multiplies as float32 from `_FLOAT32_GEMM_MIN_ROWS` rows
     # (see `prepack_for_cpu`).
     float32_gemm: bool = False
+    # False for a layer whose weight is only looked up (the embedding): nothing to pack.
+    multiplies: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -176,7 +179,11 @@ def _float32_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def prepack_for_cpu(model: nn.Module, dtype: torch.dtype) -> None:
     """Give every unquantized `Linear` of a CPU model its fastest matmul here: oneDNN where
     it runs in ``dtype``, else, for bfloat16 weights, float32 GEMMs over converted chunks."""
-    linears = [m for m in model.modules() if isinstance(m, Linear) and m.quant_method is None]
+    linears = [
+        m
+        for m in model.modules()
+        if isinstance(m, Linear) and m.quant_method is None and m.multiplies
+    ]
     if not onednn_linear_available(dtype):
         for module in linears:
             module.float32_gemm = dtype == torch.bfloat16

@@ -24,11 +24,16 @@ class CheckpointTensor:
     def read(
         self, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None
     ) -> torch.Tensor:
-        """The whole tensor, or ``rows=(start, size)`` / ``cols=(start, size)`` of it."""
-        row_part = slice(None) if rows is None else slice(rows[0], rows[0] + rows[1])
+        """The whole tensor, or ``rows=(start, size)`` / ``cols=(start, size)`` of it.
+
+        Rows past the tensor's last are zero: the vocabulary's last tensor-parallel shard
+        asks for more rows than there are tokens (a layer's `checkpoint_part` checks the
+        shape first, so no other read goes past the end).
+        """
+        held, missing = rows_held((0, self.shape[0]) if rows is None else rows, self.shape[0])
         if cols is None:
-            return self._source[row_part]
-        return self._source[row_part, cols[0] : cols[0] + cols[1]]
+            return zero_padded(self._source[held], missing)
+        return zero_padded(self._source[held, cols[0] : cols[0] + cols[1]], missing)
 
     def check_shape(self, expected: tuple[int, ...]) -> None:
         if self.shape != expected:
@@ -36,6 +41,20 @@ class CheckpointTensor:
                 f"Checkpoint weight {self.name!r} has shape {self.shape}, the model expects "
                 f"{expected}."
             )
+
+
+def rows_held(rows: tuple[int, int], num_rows: int) -> tuple[slice, int]:
+    """Of rows ``(start, size)``, those a tensor of ``num_rows`` holds, and how many past
+    its end follow them."""
+    start, size = rows
+    stop = min(start + size, num_rows)
+    start = min(start, stop)
+    return slice(start, stop), size - (stop - start)
+
+
+def zero_padded(rows: torch.Tensor, missing: int) -> torch.Tensor:
+    """``rows`` followed by ``missing`` rows of zeros."""
+    return rows if missing == 0 else torch.cat([rows, rows.new_zeros(missing, *rows.shape[1:])])
 
 
 def weight_memory(model: nn.Module) -> dict[torch.dtype, int]:

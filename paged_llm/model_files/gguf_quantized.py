@@ -37,6 +37,8 @@ from paged_llm.model_files.gguf import (
 
 # The decoder projections, by their GGUF names: what quantization="gguf" keeps quantized.
 _PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+# The token embedding and the LM head (absent when tied), kept quantized where their type is.
+_VOCAB_TENSORS = ("token_embd.weight", "output.weight")
 _K_SCALE_BYTES = 12  # Q4_K / Q5_K: eight 6-bit scales and eight 6-bit mins
 
 
@@ -147,19 +149,30 @@ def repack(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> GroupQuan
     )
 
 
-def quantized_projections(gguf_path: Path, hf_config: Any) -> Iterator[GroupQuantizedTensor]:
+def quantized_tensors(
+    gguf_path: Path, hf_config: Any, embeddings: bool
+) -> Iterator[GroupQuantizedTensor]:
     """The decoder projections of ``gguf_path``, repacked, under transformers' names and
-    with llama.cpp's q/k row permutation undone."""
+    with llama.cpp's q/k row permutation undone; with ``embeddings``, also the token
+    embedding and LM head where the file stores them in a type kept quantized (llama.cpp
+    quantizes them in its usual presets: SmolLM2's Q4_1 file has a Q8_0 embedding); a
+    float one stays float, as the file has it."""
     reader = import_gguf().GGUFReader(gguf_path)
     permuted = _metadata(reader, "general.architecture") in _ROPE_PERMUTED_ARCHITECTURES
     for tensor in reader.tensors:
         part = tensor.name.split(".")
-        if len(part) != 4 or part[2] not in _PROJECTIONS or part[3] != "weight":
+        is_projection = len(part) == 4 and part[2] in _PROJECTIONS and part[3] == "weight"
+        is_vocab = (
+            embeddings
+            and tensor.name in _VOCAB_TENSORS
+            and tensor.tensor_type.name in KEPT_QUANTIZED_TYPES
+        )
+        if not (is_projection or is_vocab):
             continue
         shape = (int(tensor.shape[1]), int(tensor.shape[0]))
         weight = repack(np.asarray(tensor.data), tensor.tensor_type.name, shape)
         heads = {"attn_q": hf_config.num_attention_heads, "attn_k": hf_config.num_key_value_heads}
-        if permuted and part[2] in heads:
+        if permuted and is_projection and part[2] in heads:
             weight = _unpermute_rows(weight, heads[part[2]])
         yield GroupQuantizedTensor(_hf_tensor_name(tensor.name), weight)
 

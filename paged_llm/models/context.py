@@ -12,13 +12,18 @@ from paged_llm.layers.quantization import QuantizedLinearMethod
 
 @dataclass(frozen=True)
 class ModelContext:
-    """The device, the longest position, the platform's kernel choice, this rank's place
-    in the tensor-parallel group, and the format of the decoder layers' linear weights."""
+    """The device and dtype, the longest position, the platform's kernel choice, this
+    rank's place in the tensor-parallel group, and the formats of the weights."""
 
     device: torch.device
     max_position: int
+    dtype: torch.dtype = torch.float32
     # The platform's choice: Triton kernels for RMSNorm, rotary and SiLU-and-mul.
     triton_elementwise: bool = False
     tp: TensorParallelGroup = field(default_factory=TensorParallelGroup)
-    # None: float weights. The embedding and the LM head always stay float (as vLLM's).
+    # The decoder layers' linear weights; None: float.
     quant_method: QuantizedLinearMethod | None = None
+    # The embedding's and an untied LM head's (a tied one shares the embedding's); None:
+    # float. Only a method that `quantizes_embeddings`.
+    embedding_quant_method: QuantizedLinearMethod | None = None
+    lm_head_quant_method: QuantizedLinearMethod | None = None

@@ -164,7 +164,11 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, context.tp
+            config.vocab_size,
+            config.hidden_size,
+            context.tp,
+            context.dtype,
+            context.embedding_quant_method,
         )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, context, i, rotary, **attn_flags)
@@ -205,14 +209,20 @@ class LlamaForCausalLM(nn.Module):
             context.triton_elementwise,
         )
         self.model = LlamaModel(config, context, self.rotary, attn_flags)
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, context.tp)
+        self.lm_head = ParallelLMHead(
+            config.vocab_size,
+            config.hidden_size,
+            context.tp,
+            context.dtype,
+            context.lm_head_quant_method,
+        )
         self.tie_weights()
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config says so; call again after
         `to_empty`, which materializes the two as separate tensors."""
         if getattr(self.config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie_to(self.model.embed_tokens)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from paged_llm.layers.quantization.base import QuantizedLinearMethod
 from paged_llm.layers.quantization.grouped import GroupQuantizedLinearMethod
-from paged_llm.layers.quantization.int8 import Int8LinearMethod
+from paged_llm.layers.quantization.per_channel import PerChannelLinearMethod
 
 # name -> the method, built with whether its matmuls run through Triton.
 QUANTIZATION_METHODS: dict[str, Callable[[bool], QuantizedLinearMethod]] = {
-    "int8": Int8LinearMethod,
+    "int8": lambda triton: PerChannelLinearMethod(torch.int8, triton),
+    # CUDA only: EngineConfig refuses it where linear layers do not run Triton.
+    "fp8": lambda triton: PerChannelLinearMethod(torch.float8_e4m3fn, triton),
     # Dequantizes with torch ops on every device (a Triton kernel is still to come).
     "gguf": lambda triton: GroupQuantizedLinearMethod(),
 }

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -20,7 +20,12 @@ class QuantizedLinearMethod(ABC):
     memory is allocated), so no float copy of a quantized weight is ever materialized; the
     loader hands each float checkpoint weight to `load_weight` with the part this rank
     keeps; `apply` multiplies.
+
+    A format that also keeps a vocabulary's rows (the embedding's lookup table, the LM
+    head) declares `quantizes_embeddings` and looks rows up with `embedding`.
     """
+
+    quantizes_embeddings: ClassVar[bool] = False
 
     @abstractmethod
     def create_weights(self, layer: Linear) -> None:
@@ -37,3 +42,8 @@ class QuantizedLinearMethod(ABC):
     @abstractmethod
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ W.T + bias`` for the layer's quantized ``W``, in the dtype of ``x``."""
+
+    def embedding(self, layer: Linear, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``token_ids`` of the layer's weight in ``dtype`` (vLLM's ``embedding``),
+        dequantizing only those rows."""
+        raise NotImplementedError(f"{type(self).__name__} does not quantize embeddings.")

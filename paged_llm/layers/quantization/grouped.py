@@ -11,10 +11,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from paged_llm.layers.quantization.base import QuantizedLinearMethod
-from paged_llm.layers.weights import CheckpointTensor
+from paged_llm.layers.weights import CheckpointTensor, rows_held, zero_padded
 
 if TYPE_CHECKING:
     from paged_llm.layers.linear import CheckpointPart, Linear
+
+
+# Weight rows one matmul call dequantizes at once: 4096 x SmolLM2's 576 features is 9 MiB
+# of float32; every decoder projection here is smaller, so only an LM head is split.
+DEQUANTIZED_ROWS = 4096
 
 
 @dataclass(frozen=True)
@@ -44,9 +49,20 @@ class GroupQuantizedWeight:
         return self.bits <= 4
 
     def rows(self, start: int, size: int) -> GroupQuantizedWeight:
-        part = slice(start, start + size)
-        offset = None if self.offset is None else self.offset[part]
-        return replace(self, codes=self.codes[part], scale=self.scale[part], offset=offset)
+        """Rows ``[start, start + size)``; rows past the last are zero (codes, scales and
+        offsets), as `CheckpointTensor.read` pads a vocabulary's last shard."""
+        held, missing = rows_held((start, size), self.shape[0])
+
+        def part(tensor: torch.Tensor) -> torch.Tensor:
+            return zero_padded(tensor[held], missing)
+
+        offset = None if self.offset is None else part(self.offset)
+        return replace(self, codes=part(self.codes), scale=part(self.scale), offset=offset)
+
+    def take(self, row_ids: torch.Tensor) -> GroupQuantizedWeight:
+        """Rows ``row_ids``, in their order: an embedding's lookup."""
+        offset = None if self.offset is None else self.offset[row_ids]
+        return replace(self, codes=self.codes[row_ids], scale=self.scale[row_ids], offset=offset)
 
     def cols(self, start: int, size: int) -> GroupQuantizedWeight:
         """Input features ``[start, start + size)``, on group boundaries."""
@@ -106,8 +122,11 @@ class GroupQuantizedTensor(CheckpointTensor):
 class GroupQuantizedLinearMethod(QuantizedLinearMethod):
     """A layer whose checkpoint tensors (one per packed projection) arrive group-quantized,
     each in its own bit width and group size (a GGUF file mixes types in one layer). Each
-    matmul dequantizes them into one float weight and multiplies by it.
+    matmul dequantizes them, a bounded block of rows at a time, and multiplies by them; an
+    embedding dequantizes the rows it looks up.
     """
+
+    quantizes_embeddings = True
 
     def create_weights(self, layer: Linear) -> None:
         # An empty placeholder: the weight arrives as pieces, through `load_quantized`.
@@ -128,16 +147,35 @@ class GroupQuantizedLinearMethod(QuantizedLinearMethod):
             layer.register_buffer(f"quantized_piece{shard or 0}_{i}", tensor, persistent=False)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
+        pieces = layer.quantized_pieces
         expected = layer.num_checkpoint_shards or 1
-        if sorted(layer.quantized_pieces) != list(range(expected)):
+        if sorted(pieces) != list(range(expected)):
             raise ValueError(
                 f"quantization='gguf': a layer of {expected} projection(s) got quantized "
-                f"weights for {len(layer.quantized_pieces)}; every decoder projection must be "
+                f"weights for {len(pieces)}; every decoder projection must be "
                 "a quantized tensor in the GGUF file."
             )
-        layer.quantized_pieces = dict(sorted(layer.quantized_pieces.items()))
+        # NOTE: sorted in place: a tied LM head holds the embedding's same dict.
+        ordered = sorted(pieces.items())
+        pieces.clear()
+        pieces.update(ordered)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        pieces = layer.quantized_pieces.values()
-        weight = torch.cat([piece.dequantize(x.dtype) for piece in pieces])
-        return F.linear(x, weight, bias)
+        # Rows of the weight are dequantized `DEQUANTIZED_ROWS` at a time, so an LM head
+        # (49152 rows for SmolLM2) never exists in float whole: 108 MiB per call otherwise.
+        outputs = [
+            F.linear(
+                x,
+                piece.rows(start, min(DEQUANTIZED_ROWS, piece.shape[0] - start)).dequantize(
+                    x.dtype
+                ),
+            )
+            for piece in layer.quantized_pieces.values()
+            for start in range(0, piece.shape[0], DEQUANTIZED_ROWS)
+        ]
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+        return out if bias is None else out.add_(bias)
+
+    def embedding(self, layer: Linear, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        (table,) = layer.quantized_pieces.values()
+        return table.take(token_ids).dequantize(dtype)

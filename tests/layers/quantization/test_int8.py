@@ -1,9 +1,10 @@
 """quantization="int8": weight-only int8 with per-output-channel scales.
 
-The reference is transformers in float32 with every decoder projection replaced by its
-int8 round trip, computed here from the format's definition (scale = the row's absmax /
-127, round to nearest, clamp to [-127, 127]): greedy tokens must be the same under every
-kind of batching, on one rank and on two.
+The reference is transformers in float32 with every decoder projection, the embedding and
+the LM head (each row of the vocabulary) replaced by its int8 round trip, computed here
+from the format's definition (scale = the row's absmax / 127, round to nearest, clamp to
+[-127, 127]): greedy tokens must be the same under every kind of batching, on one rank
+and on two.
 """
 
 from __future__ import annotations
@@ -34,17 +35,31 @@ _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 def int8_round_trip(weight: torch.Tensor) -> torch.Tensor:
-    """What an int8 weight with one absmax scale per output row stands for."""
-    scale = weight.abs().amax(dim=1, keepdim=True) / 127
+    """What an int8 weight with one absmax scale per output row stands for (an all-zero
+    row, such as an embedding's padding token, stays zero)."""
+    absmax = weight.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(absmax > 0, absmax / 127, 1.0)
     return (weight / scale).round().clamp(-127, 127) * scale
 
 
-def dequantized_reference(model_dir: Path) -> transformers.PreTrainedModel:
+def dequantized_reference(
+    model_dir: Path,
+    embeddings: bool = True,
+    round_trip: Callable[[torch.Tensor], torch.Tensor] = int8_round_trip,
+) -> transformers.PreTrainedModel:
+    """Transformers with the weights a format stands for (``round_trip``, int8's by
+    default): the projections', and with ``embeddings`` the embedding's and LM head's (a
+    tied one round-tripped once)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    names = _PROJECTIONS + (("embed_tokens", "lm_head") if embeddings else ())
+    weights = {
+        id(module.weight): module.weight
+        for name, module in model.named_modules()
+        if name.rsplit(".", 1)[-1] in names
+    }
     with torch.no_grad():
-        for name, module in model.named_modules():
-            if name.rsplit(".", 1)[-1] in _PROJECTIONS:
-                module.weight.copy_(int8_round_trip(module.weight))
+        for weight in weights.values():
+            weight.copy_(round_trip(weight))
     return model.eval()
 
 
@@ -105,17 +120,26 @@ def test_two_ranks_quantize_each_row_with_its_whole_row_scale(
     check_scenario("default", outputs, metrics, expected)
 
 
+@pytest.mark.parametrize("quantize_embeddings", [True, False])
 def test_logprobs_and_n_match_the_dequantized_reference(
-    tiny_model_dir: Callable[[str], Path], tokenizer: transformers.PreTrainedTokenizerBase
+    quantize_embeddings: bool,
+    tiny_model_dir: Callable[[str], Path],
+    tokenizer: transformers.PreTrainedTokenizerBase,
 ) -> None:
+    """On a tied model; quantize_embeddings=False keeps its embedding and LM head float."""
     prompt = _prompts(tokenizer)[1][:40]
-    reference = dequantized_reference(tiny_model_dir("qwen3"))
+    reference = dequantized_reference(tiny_model_dir("qwen3"), quantize_embeddings)
     with torch.no_grad():
         expected = torch.log_softmax(reference(torch.tensor([prompt])).logits[0], dim=-1)
     params = SamplingParams(
         temperature=1.0, n=3, seed=3, max_tokens=4, logprobs=2, prompt_logprobs=1
     )
-    with LLM(tiny_model_dir("qwen3"), quantization="int8", max_model_len=128) as llm:
+    with LLM(
+        tiny_model_dir("qwen3"),
+        quantization="int8",
+        quantize_embeddings=quantize_embeddings,
+        max_model_len=128,
+    ) as llm:
         (output,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
     assert len(output.outputs) == 3
     assert len({tuple(c.token_ids) for c in output.outputs}) > 1

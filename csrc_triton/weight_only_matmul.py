@@ -1,4 +1,4 @@
-"""Weight-only int8 matmul: int8 weights with one scale per output channel, dequantized
+"""Weight-only matmul: int8 or fp8 weights with one scale per output channel, dequantized
 in the GEMM's inner loop."""
 
 import torch
@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 # NOTE: the interpreter's bf16 tl.dot workaround is shared with paged attention.
+from csrc_triton.fp8 import FP8_FORMATS
 from csrc_triton.paged_attention import _UPCAST_DOT_OPERANDS, _dot
 
 # Rows of x per program when the batch is small (decode) or large (prefill). tl.dot needs
@@ -17,7 +18,7 @@ _BLOCK_K = 64
 
 
 @triton.jit
-def _int8_weight_matmul_kernel(
+def _weight_only_matmul_kernel(
     x_ptr,
     w_ptr,
     scale_ptr,
@@ -52,11 +53,11 @@ def _int8_weight_matmul_kernel(
         w = tl.load(
             w_ptr + cols[None, :].to(tl.int64) * stride_w_n + k[:, None] * stride_w_k,
             mask=col_mask[None, :] & k_mask[:, None],
-            other=0,
+            other=0.0,
         )
-        # Every int8 value is exact in any float type (through float32: the interpreter
-        # converts int8 to bf16 wrongly); the scale factors out of the sum over k, so it
-        # is applied once, to the accumulator.
+        # Every int8 and fp8 value is exact in any float type the activations come in
+        # (through float32: the interpreter converts int8 to bf16 wrongly); the scale
+        # factors out of the sum over k, so it is applied once, to the accumulator.
         acc += _dot(x, w.to(tl.float32).to(x.dtype), UPCAST_DOT_OPERANDS)
     scale = tl.load(scale_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     out = acc * scale[None, :]
@@ -67,12 +68,17 @@ def _int8_weight_matmul_kernel(
     )
 
 
-def int8_weight_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x @ (weight * scale[:, None]).T`` with the weight kept in int8.
+# The weight dtypes the kernel reads.
+WEIGHT_DTYPES = (torch.int8, *FP8_FORMATS)
+
+
+def weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x @ (weight * scale[:, None]).T`` with the weight kept in int8 or fp8.
 
     Args:
         x: ``[M, K]`` activations (float32, bfloat16 or float16), any strides.
-        weight: ``[N, K]`` int8.
+        weight: ``[N, K]`` int8, ``float8_e4m3fn`` or ``float8_e5m2`` (e4m3 needs a GPU
+            of compute capability 8.9 or later, as Triton converts it only there).
         scale: ``[N]``, one scale per output channel.
 
     Returns:
@@ -83,10 +89,10 @@ def int8_weight_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         raise ValueError(
             f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
         )
-    if weight.dtype != torch.int8 or scale.shape != (weight.shape[0],):
+    if weight.dtype not in WEIGHT_DTYPES or scale.shape != (weight.shape[0],):
         raise ValueError(
-            f"weight must be int8 with one scale per row, got {weight.dtype} and scale "
-            f"shape {tuple(scale.shape)}"
+            f"weight must be one of {WEIGHT_DTYPES} with one scale per row, got "
+            f"{weight.dtype} and scale shape {tuple(scale.shape)}"
         )
     num_rows, in_features = x.shape
     out_features = weight.shape[0]
@@ -95,7 +101,7 @@ def int8_weight_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         return out
     block_m = _SMALL_BLOCK_M if num_rows <= _SMALL_BLOCK_M else _LARGE_BLOCK_M
     grid = (triton.cdiv(num_rows, block_m), triton.cdiv(out_features, _BLOCK_N))
-    _int8_weight_matmul_kernel[grid](
+    _weight_only_matmul_kernel[grid](
         x,
         weight,
         scale,
