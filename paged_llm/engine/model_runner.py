@@ -31,6 +31,7 @@ from paged_llm.layers.linear import (
     use_fixed_row_tiles,
 )
 from paged_llm.layers.quantization import get_quantized_linear_method
+from paged_llm.layers.quantization.checkpoint_formats import pre_quantized_checkpoint
 from paged_llm.layers.sampler import LogprobsTensors, Sampler, compute_logprobs
 from paged_llm.layers.weights import weight_memory
 from paged_llm.loader import load_quantized_weights, load_weights
@@ -60,7 +61,9 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalL
         model = model_class(config.hf_config, context)
     model = model.to(dtype=config.dtype).to_empty(device=platform.device)
     model.tie_weights()
-    load_weights(model, config.model_dir)
+    load_weights(
+        model, config.model_dir, pre_quantized_checkpoint(config.quantization, config.hf_config)
+    )
     if config.quantization == "gguf":
         source = gguf_source(config.model_dir)
         assert source is not None  # NOTE: EngineConfig.create checked it

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from paged_llm.layers.quantization.base import QuantizedLinearMethod
+from paged_llm.layers.quantization.checkpoint_formats import PRE_QUANTIZED_FORMATS
 from paged_llm.layers.quantization.grouped import GroupQuantizedLinearMethod
 from paged_llm.layers.quantization.int8 import Int8LinearMethod
 
@@ -17,6 +18,8 @@ QUANTIZATION_METHODS: dict[str, Callable[[bool], QuantizedLinearMethod]] = {
     "int8": Int8LinearMethod,
     # Dequantizes with torch ops on every device (a Triton kernel is still to come).
     "gguf": lambda triton: GroupQuantizedLinearMethod(),
+    # Pre-quantized checkpoints, unpacked into the same group-quantized layout.
+    **{name: lambda triton: GroupQuantizedLinearMethod() for name in PRE_QUANTIZED_FORMATS},
 }
 
 

@@ -35,6 +35,26 @@ class GroupQuantizedWeight:
     bits: int
     group_size: int
 
+    @classmethod
+    def from_codes(
+        cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int
+    ) -> GroupQuantizedWeight:
+        """``W = scale * (codes - zero)`` for unsigned ``codes [N, K]`` of ``bits`` (at most
+        8) and float ``scale`` / ``zero`` ``[N, groups]`` (None: zero 0), in this layout:
+        the offset is ``-scale * zero``, 8-bit codes are stored as ``codes - 128``."""
+        scale = scale.to(torch.float32)
+        zero = torch.zeros_like(scale) if zero is None else zero.to(torch.float32)
+        if bits <= 4:
+            low, high = codes[:, 0::2], codes[:, 1::2]
+            packed = (low | (high << 4)).to(torch.uint8)
+        else:
+            # NOTE: the shift keeps each code in int8, and moves into the offset exactly
+            # (zero and 128 are small integers).
+            packed, zero = (codes - 128).to(torch.int8), zero - 128
+        offset = None if not zero.any() else -scale * zero
+        group_size = codes.shape[1] // scale.shape[1]
+        return cls(packed.contiguous(), scale.contiguous(), offset, bits, group_size)
+
     @property
     def shape(self) -> tuple[int, int]:
         return self.codes.shape[0], self.scale.shape[1] * self.group_size
@@ -49,7 +69,12 @@ class GroupQuantizedWeight:
         return replace(self, codes=self.codes[part], scale=self.scale[part], offset=offset)
 
     def cols(self, start: int, size: int) -> GroupQuantizedWeight:
-        """Input features ``[start, start + size)``, on group boundaries."""
+        """Input features ``[start, start + size)``, on group boundaries (a per-channel
+        weight's one group per row is cut to the columns kept, its scale unchanged)."""
+        per_byte = 2 if self.nibbles else 1
+        if self.scale.shape[1] == 1 and start % per_byte == 0 and size % per_byte == 0:
+            codes = self.codes[:, start // per_byte : (start + size) // per_byte]
+            return replace(self, codes=codes, group_size=size)
         if start % self.group_size or size % self.group_size:
             raise ValueError(
                 f"A tensor-parallel shard of input features [{start}, {start + size}) does not "
@@ -57,7 +82,6 @@ class GroupQuantizedWeight:
                 "tensor_parallel_size."
             )
         groups = slice(start // self.group_size, (start + size) // self.group_size)
-        per_byte = 2 if self.nibbles else 1
         codes = self.codes[:, start // per_byte : (start + size) // per_byte]
         offset = None if self.offset is None else self.offset[:, groups]
         return replace(self, codes=codes, scale=self.scale[:, groups], offset=offset)
@@ -77,10 +101,11 @@ class GroupQuantizedWeight:
         return weight.view(num_rows, -1).to(dtype)
 
     def to(self, device: torch.device) -> GroupQuantizedWeight:
-        offset = None if self.offset is None else self.offset.to(device)
-        return replace(
-            self, codes=self.codes.to(device), scale=self.scale.to(device), offset=offset
-        )
+        """A copy on ``device``: a rank's rows or columns then hold only their own bytes,
+        not the whole checkpoint tensor they were sliced from."""
+        offset = None if self.offset is None else self.offset.to(device, copy=True)
+        codes, scale = self.codes.to(device, copy=True), self.scale.to(device, copy=True)
+        return replace(self, codes=codes, scale=scale, offset=offset)
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -131,9 +156,10 @@ class GroupQuantizedLinearMethod(QuantizedLinearMethod):
         expected = layer.num_checkpoint_shards or 1
         if sorted(layer.quantized_pieces) != list(range(expected)):
             raise ValueError(
-                f"quantization='gguf': a layer of {expected} projection(s) got quantized "
-                f"weights for {len(layer.quantized_pieces)}; every decoder projection must be "
-                "a quantized tensor in the GGUF file."
+                f"A layer of {expected} projection(s) got quantized weights for "
+                f"{len(layer.quantized_pieces)}; with a quantized checkpoint (a GGUF file, "
+                "or a pre-quantized Hugging Face one) every decoder projection must be stored "
+                "quantized."
             )
         layer.quantized_pieces = dict(sorted(layer.quantized_pieces.items()))
 
