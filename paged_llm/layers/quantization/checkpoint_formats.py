@@ -6,12 +6,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from paged_llm.layers.quantization.awq import AwqCheckpoint
 from paged_llm.layers.quantization.compressed_tensors import CompressedTensorsCheckpoint
+from paged_llm.layers.quantization.gptq import GptqCheckpoint
 from paged_llm.layers.quantization.prequantized import PreQuantizedCheckpoint
 
 # quant_method -> the format, from the quantization_config and the model's config.
 PRE_QUANTIZED_FORMATS: dict[str, Callable[[dict[str, Any], Any], PreQuantizedCheckpoint]] = {
     "compressed-tensors": CompressedTensorsCheckpoint,
+    "gptq": GptqCheckpoint,
+    "awq": AwqCheckpoint,
 }
 
 

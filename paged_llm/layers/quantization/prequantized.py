@@ -82,3 +82,43 @@ def refuse(method: str, what: str, supported: str) -> ValueError:
     return ValueError(
         f"This {method} checkpoint uses {what}, which paged_llm cannot load; it loads {supported}."
     )
+
+
+class PackedProjectionsCheckpoint(PreQuantizedCheckpoint):
+    """The GPTQ / AWQ layout: every decoder projection stored as ``qweight``, ``qzeros``
+    and ``scales`` (and GPTQ's ``g_idx``), each ``[.., out]`` with the input dim first;
+    the LM head stays float."""
+
+    PARTS = ("qweight", "qzeros", "scales", "g_idx")
+    PROJECTIONS = (*ATTENTION_PROJECTIONS, *MLP_PROJECTIONS)
+
+    def __init__(self, bits: int, group_size: int) -> None:
+        self.bits = bits
+        # -1 (per output channel) stays -1: the number of groups is then 1.
+        self.group_size = group_size
+
+    def quantized_module(self, tensor_name: str) -> str | None:
+        module, _, part = tensor_name.rpartition(".")
+        is_projection = module.rpartition(".")[2] in self.PROJECTIONS
+        return module if is_projection and part in self.PARTS else None
+
+    def num_groups(self, in_features: int) -> int:
+        return 1 if self.group_size == -1 else in_features // self.group_size
+
+    def check_shapes(
+        self, module: str, tensors: dict[str, torch.Tensor], in_features: int, out_features: int
+    ) -> None:
+        """The scales, and the zeros packed along the output dim, fit the weight."""
+        groups = self.num_groups(in_features)
+        expected = {
+            "scales": (groups, out_features),
+            "qzeros": (groups, out_features * self.bits // 32),
+        }
+        for part, shape in expected.items():
+            actual = tuple(require(tensors, module, part).shape)
+            if actual != shape:
+                raise ValueError(
+                    f"Pre-quantized checkpoint: {module}.{part} has shape {actual}; a "
+                    f"[{out_features}, {in_features}] weight of {self.bits} bits with "
+                    f"group_size={self.group_size} needs {shape}."
+                )
