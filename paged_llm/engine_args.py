@@ -270,13 +270,14 @@ class EngineArgs:
     quantization: str | None = _honoured(
         None,
         "The format of the decoder layers' linear weights: None keeps the checkpoint's "
-        'float weights (a .gguf file dequantized exactly to float); "int8" quantizes them '
-        'at load time to int8 with one scale per output channel; "gguf" keeps a .gguf '
-        "file's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights quantized and dequantizes "
-        "them in each matmul. A pre-quantized checkpoint (config.json's quantization_config: "
-        '"compressed-tensors") is loaded as stored with None or its own quant_method. '
-        "Weight-only: activations stay in dtype; the embedding and LM head stay float. See "
-        "docs/quantization.md.",
+        "weights as stored (float; a .gguf file dequantized exactly to float; a pre-quantized "
+        "checkpoint, whose config.json has a quantization_config, quantized); "
+        '"compressed-tensors", "gptq" or "awq" names that pre-quantized format (any other '
+        'value for such a checkpoint is refused); "int8" quantizes float weights at load '
+        'time to int8 with one scale per output channel; "gguf" keeps a .gguf file\'s Q4_0, '
+        "Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights quantized and dequantizes them in each "
+        "matmul. Weight-only: activations stay in dtype; the embedding and LM head stay "
+        "float. See docs/quantization.md.",
         cli=_FLAG,
         accepts=(None, *QUANTIZATION_METHODS),
     )
