@@ -1,6 +1,7 @@
 """compressed-tensors checkpoints: made by the compressed-tensors library itself from a
-tiny random-weight Llama, and read back by transformers' compressed-tensors quantizer
-(which decompresses with the library) as the reference.
+tiny random-weight Llama (min-max scales, `benchmarks.compressed_checkpoint`), and read
+back by transformers' compressed-tensors quantizer (which decompresses with the library)
+as the reference.
 
 Our logits must match the reference far more closely than the format's own rounding moves
 them; greedy tokens must equal the reference's, on one rank and on two.
@@ -17,21 +18,13 @@ import pytest
 import torch
 import transformers
 
-ct = pytest.importorskip("compressed_tensors")
+pytest.importorskip("compressed_tensors")
 
-from compressed_tensors.compressors import ModelCompressor  # noqa: E402
-from compressed_tensors.quantization import (  # noqa: E402
-    QuantizationArgs,
-    QuantizationConfig,
-    QuantizationScheme,
-    apply_quantization_config,
-)
-from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
-
-from paged_llm import LLM, SamplingParams  # noqa: E402
-from paged_llm.layers.quantization.checkpoint_formats import resolve_quantization  # noqa: E402
-from tests.conftest import TINY_BASE_CONFIG, hf_greedy  # noqa: E402
-from tests.models.test_parity import _prompts  # noqa: E402
+from benchmarks.compressed_checkpoint import write_compressed_checkpoint
+from paged_llm import LLM, SamplingParams
+from paged_llm.layers.quantization.checkpoint_formats import resolve_quantization
+from tests.conftest import TINY_BASE_CONFIG, hf_greedy
+from tests.models.test_parity import _prompts
 
 # name -> (bits, symmetric, group size or None for per channel, compression format).
 SCHEMES: dict[str, tuple[int, bool, int | None, str]] = {
@@ -47,40 +40,8 @@ NUM_PROMPTS, MAX_TOKENS = 4, 12
 
 
 def compress_with_the_library(model_dir: Path, scheme: str, out: Path) -> None:
-    """Quantize every linear layer but the LM head with min-max scales, as llm-compressor's
-    default observer does, and save the model compressed by compressed-tensors."""
     bits, symmetric, group_size, compression = SCHEMES[scheme]
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    args = QuantizationArgs(
-        num_bits=bits,
-        type="int",
-        symmetric=symmetric,
-        strategy="channel" if group_size is None else "group",
-        group_size=group_size,
-    )
-    config = QuantizationConfig(
-        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
-        ignore=["lm_head"],
-    )
-    apply_quantization_config(model, config)
-    for module in model.modules():
-        if not hasattr(module, "weight_scale"):
-            continue
-        weight = module.weight.data
-        if group_size is None:
-            low, high = weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
-        else:
-            groups = weight.unflatten(-1, (-1, group_size))
-            low, high = groups.amin(-1), groups.amax(-1)
-        scale, zero_point = calculate_qparams(low, high, args)
-        module.weight_scale.data.copy_(scale)
-        if hasattr(module, "weight_zero_point"):
-            module.weight_zero_point.data.copy_(zero_point)
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=compression)
-    compressor.compress_model(model)
-    model.save_pretrained(out)
-    compressor.update_config(str(out))
-    transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+    write_compressed_checkpoint(model_dir, out, bits, symmetric, group_size, compression)
 
 
 def transformers_reference(model_dir: Path) -> transformers.PreTrainedModel:
