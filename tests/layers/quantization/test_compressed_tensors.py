@@ -198,3 +198,9 @@ def test_the_checkpoint_format_needs_its_config() -> None:
     with pytest.raises(ValueError, match="no quantization_config"):
         resolve_quantization("compressed-tensors", hf_config)
     assert resolve_quantization(None, _hf_config(_config())) == "compressed-tensors"
+
+
+def test_a_checkpoint_of_another_quant_method_is_refused_naming_the_supported_ones() -> None:
+    hf_config = _hf_config({"quant_method": "bitsandbytes", "load_in_4bit": True})
+    with pytest.raises(ValueError, match=r"'bitsandbytes'.*'compressed-tensors', 'gptq', 'awq'"):
+        resolve_quantization(None, hf_config)
