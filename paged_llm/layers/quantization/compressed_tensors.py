@@ -163,21 +163,18 @@ class CompressedTensorsCheckpoint(PreQuantizedCheckpoint):
             out_features, in_features = require(tensors, module, "weight_shape").tolist()
             packed = require(tensors, module, "weight_packed")
             codes = unpack_int32(packed, scheme.bits, dim=1)[:, :in_features]
-            zero_point = (
-                None
-                if scheme.symmetric
-                else unpack_int32(require(tensors, module, "weight_zero_point"), scheme.bits, 0)
-            )
-            # Codes and zero points are stored shifted to unsigned: compare them as stored.
-            midpoint = 1 << (scheme.bits - 1)
-            if zero_point is None:
-                zero = torch.full_like(scale, midpoint, dtype=torch.float32)
+            # Codes and zero points are both stored shifted by 2**(bits - 1): subtract
+            # them as stored (a symmetric scheme's zero point is 0, stored as the shift).
+            if scheme.symmetric:
+                zero = torch.full_like(scale, 1 << (scheme.bits - 1), dtype=torch.float32)
             else:
-                zero = zero_point[:out_features].to(torch.float32)
+                packed_zero = require(tensors, module, "weight_zero_point")
+                zero = unpack_int32(packed_zero, scheme.bits, dim=0)[:out_features].float()
             bits = scheme.bits
         else:
             weight = require(tensors, module, "weight")
             out_features, in_features = weight.shape
+            # Signed int8 codes (of any num_bits up to 8), shifted to unsigned as packed ones.
             codes = weight.to(torch.int32) + 128
             zero = torch.full_like(scale, 128, dtype=torch.float32)
             if not scheme.symmetric:

@@ -37,13 +37,13 @@ class GroupQuantizedWeight:
 
     @classmethod
     def from_codes(
-        cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int
+        cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
     ) -> GroupQuantizedWeight:
         """``W = scale * (codes - zero)`` for unsigned ``codes [N, K]`` of ``bits`` (at most
-        8) and float ``scale`` / ``zero`` ``[N, groups]`` (None: zero 0), in this layout:
-        the offset is ``-scale * zero``, 8-bit codes are stored as ``codes - 128``."""
-        scale = scale.to(torch.float32)
-        zero = torch.zeros_like(scale) if zero is None else zero.to(torch.float32)
+        8) and float ``scale`` / ``zero`` ``[N, groups]``, in this layout: the offset is
+        ``-scale * zero`` (None where every zero is 0), 8-bit codes are stored as
+        ``codes - 128``."""
+        scale, zero = scale.to(torch.float32), zero.to(torch.float32)
         if bits <= 4:
             low, high = codes[:, 0::2], codes[:, 1::2]
             packed = (low | (high << 4)).to(torch.uint8)
