@@ -24,7 +24,15 @@ from benchmarks.compressed_checkpoint import write_compressed_checkpoint
 from paged_llm import LLM, SamplingParams
 from paged_llm.layers.quantization.checkpoint_formats import resolve_quantization
 from tests.conftest import TINY_BASE_CONFIG, hf_greedy
-from tests.models.test_parity import _prompts
+from tests.models.test_parity import MAX_TOKENS as SCENARIO_MAX_TOKENS
+from tests.models.test_parity import (
+    SCENARIO_GROUPS,
+    _prompts,
+    _shared_prefix_prompts,
+    check_scenario,
+    generate_greedy,
+    group_settings,
+)
 
 # name -> (bits, symmetric, group size or None for per channel, compression format).
 SCHEMES: dict[str, tuple[int, bool, int | None, str]] = {
@@ -139,6 +147,26 @@ def test_two_ranks_split_codes_scales_and_zero_points(
         settings = {"quantization": "compressed-tensors", "tensor_parallel_size": 2}
         with LLM(path, max_model_len=256, **settings) as llm:
             assert greedy_tokens(llm, prompts) == expected
+
+
+@pytest.mark.slow  # the parity scenarios' 11 prompts: about 20 s
+@pytest.mark.parametrize("group", ["chunked-prefill+preemption", "prefix-hits"])
+def test_the_quantized_path_keeps_chunking_preemption_and_prefix_hits(
+    group: str,
+    compressed_model_dir: Callable[[str], Path],
+    tokenizer: transformers.PreTrainedTokenizerBase,
+) -> None:
+    path = compressed_model_dir("w4-group32-asym-packed")
+    settings, shared_prefix = group_settings(path, group)
+    prompts = _shared_prefix_prompts(tokenizer) if shared_prefix else _prompts(tokenizer)
+    reference = transformers_reference(path)
+    expected = [
+        hf_greedy(reference, p, n) for p, n in zip(prompts, SCENARIO_MAX_TOKENS, strict=True)
+    ]
+    with LLM(path, **settings) as llm:
+        outputs, metrics = generate_greedy(llm, prompts)
+    for scenario in SCENARIO_GROUPS[group]:
+        check_scenario(scenario, outputs, metrics, expected)
 
 
 def test_a_conflicting_quantization_argument_is_refused(
