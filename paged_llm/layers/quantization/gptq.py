@@ -6,7 +6,8 @@
   along the output dim; the original (v1, ``checkpoint_format: "gptq"``) convention
   stores ``zero - 1``, ``"gptq_v2"`` the zero itself (as vLLM and GPTQModel read them);
 - ``scales`` float16 ``[groups, out]``; ``g_idx`` int32 ``[in]``: each input feature's
-  group, ``k // group_size`` unless the checkpoint was made with ``desc_act``.
+  group, ``k // group_size`` unless the checkpoint was made with ``desc_act``, whose groups
+  follow a permutation of the features (kept as the weight's ``group_index``).
 
 ``W[n, k] = scales[g, n] * (q[k, n] - zero[g, n])`` with ``g = g_idx[k]``; groups of
 ``group_size`` input features, one per column for ``group_size: -1``.
@@ -27,7 +28,8 @@ from paged_llm.layers.quantization.prequantized import (
 )
 
 _SUPPORTED = (
-    "4- or 8-bit weights with a group_size (or -1, per channel), desc_act=False, in the "
+    "4- or 8-bit weights with a group_size (or -1, per channel), with or without desc_act "
+    "(act-order, through g_idx), in the "
     "'gptq' or 'gptq_v2' checkpoint format, with every decoder projection quantized and "
     "the LM head float"
 )
@@ -40,10 +42,6 @@ class GptqCheckpoint(PackedProjectionsCheckpoint):
             raise refuse("gptq", f"{bits}-bit weights", _SUPPORTED)
         if not (group_size == -1 or (isinstance(group_size, int) and group_size > 0)):
             raise refuse("gptq", f"group_size={group_size!r}", _SUPPORTED)
-        if config.get("desc_act"):
-            # NOTE: act-order groups follow a permutation (g_idx) of the input features,
-            # which a contiguous group layout cannot hold.
-            raise refuse("gptq", "desc_act=True (act-order, groups given by g_idx)", _SUPPORTED)
         checkpoint_format = config.get("checkpoint_format", "gptq")
         if checkpoint_format not in ("gptq", "gptq_v2"):
             raise refuse("gptq", f"checkpoint_format={checkpoint_format!r}", _SUPPORTED)
@@ -60,9 +58,20 @@ class GptqCheckpoint(PackedProjectionsCheckpoint):
         if self.stores_zero_minus_one:
             zero = zero + 1
         groups = self.num_groups(in_features)
-        if "g_idx" in tensors:
-            in_order = torch.arange(in_features) // (in_features // groups)
-            if not torch.equal(tensors["g_idx"].to(torch.int64), in_order):
-                raise refuse("gptq", f"{module}.g_idx out of order (act-order)", _SUPPORTED)
         scale = require(tensors, module, "scales").T
-        return GroupQuantizedWeight.from_codes(codes, scale, zero.to(torch.float32), self.bits)
+        group_index = None
+        if "g_idx" in tensors:
+            g_idx = tensors["g_idx"].to(torch.int64)
+            if tuple(g_idx.shape) != (in_features,) or not bool(
+                ((g_idx >= 0) & (g_idx < groups)).all()
+            ):
+                raise ValueError(
+                    f"GPTQ checkpoint: {module}.g_idx must give each of the {in_features} "
+                    f"input features a group in [0, {groups})."
+                )
+            # desc_act's groups follow a permutation of the features; in order, the
+            # contiguous layout needs no index.
+            if not torch.equal(g_idx, torch.arange(in_features) // (in_features // groups)):
+                group_index = g_idx
+        zero = zero.to(torch.float32)
+        return GroupQuantizedWeight.from_codes(codes, scale, zero, self.bits, group_index)

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class GroupQuantizedWeight:
     """``W[n, k] = scale[n, k // g] * code[n, k] + offset[n, k // g]`` for groups of ``g``
-    consecutive input features.
+    consecutive input features, or with ``group_index[k]`` for ``k // g`` where each input
+    feature's group is given (GPTQ's act-order ``g_idx``: groups of a permutation).
 
     Codes of 4 bits or fewer are packed two to a byte (``codes[n, j]`` holds ``k = 2j`` in
     its low nibble and ``k = 2j + 1`` in its high one); wider codes are one int8 each. The
@@ -34,10 +35,16 @@ class GroupQuantizedWeight:
     offset: torch.Tensor | None
     bits: int
     group_size: int
+    group_index: torch.Tensor | None = None
 
     @classmethod
     def from_codes(
-        cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
+        cls,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        bits: int,
+        group_index: torch.Tensor | None = None,
     ) -> GroupQuantizedWeight:
         """``W = scale * (codes - zero)`` for unsigned ``codes [N, K]`` of ``bits`` (at most
         8) and float ``scale`` / ``zero`` ``[N, groups]``, in this layout: the offset is
@@ -53,11 +60,12 @@ class GroupQuantizedWeight:
             packed, zero = (codes - 128).to(torch.int8), zero - 128
         offset = None if not zero.any() else -scale * zero
         group_size = codes.shape[1] // scale.shape[1]
-        return cls(packed.contiguous(), scale.contiguous(), offset, bits, group_size)
+        index = None if group_index is None else group_index.to(torch.int64)
+        return cls(packed.contiguous(), scale.contiguous(), offset, bits, group_size, index)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.codes.shape[0], self.scale.shape[1] * self.group_size
+        return self.codes.shape[0], self.codes.shape[1] * (2 if self.nibbles else 1)
 
     @property
     def nibbles(self) -> bool:
@@ -72,8 +80,12 @@ class GroupQuantizedWeight:
         """Input features ``[start, start + size)``, on group boundaries (a per-channel
         weight's one group per row is cut to the columns kept, its scale unchanged)."""
         per_byte = 2 if self.nibbles else 1
+        codes = self.codes[:, start // per_byte : (start + size) // per_byte]
+        if self.group_index is not None:
+            # Every group may have features in any shard: keep all scales and offsets.
+            index = self.group_index[start : start + size]
+            return replace(self, codes=codes, group_index=index)
         if self.scale.shape[1] == 1 and start % per_byte == 0 and size % per_byte == 0:
-            codes = self.codes[:, start // per_byte : (start + size) // per_byte]
             return replace(self, codes=codes, group_size=size)
         if start % self.group_size or size % self.group_size:
             raise ValueError(
@@ -82,7 +94,6 @@ class GroupQuantizedWeight:
                 "tensor_parallel_size."
             )
         groups = slice(start // self.group_size, (start + size) // self.group_size)
-        codes = self.codes[:, start // per_byte : (start + size) // per_byte]
         offset = None if self.offset is None else self.offset[:, groups]
         return replace(self, codes=codes, scale=self.scale[:, groups], offset=offset)
 
@@ -93,6 +104,11 @@ class GroupQuantizedWeight:
             codes = torch.stack([low, high], dim=-1).flatten(1)
         else:
             codes = self.codes
+        if self.group_index is not None:
+            weight = codes.to(torch.float32) * self.scale[:, self.group_index]
+            if self.offset is not None:
+                weight += self.offset[:, self.group_index]
+            return weight.to(dtype)
         num_rows, num_groups = self.scale.shape
         grouped = codes.to(torch.float32).view(num_rows, num_groups, self.group_size)
         weight = grouped * self.scale[..., None]
@@ -104,12 +120,14 @@ class GroupQuantizedWeight:
         """A copy on ``device``: a rank's rows or columns then hold only their own bytes,
         not the whole checkpoint tensor they were sliced from."""
         offset = None if self.offset is None else self.offset.to(device, copy=True)
+        index = None if self.group_index is None else self.group_index.to(device, copy=True)
         codes, scale = self.codes.to(device, copy=True), self.scale.to(device, copy=True)
-        return replace(self, codes=codes, scale=scale, offset=offset)
+        return replace(self, codes=codes, scale=scale, offset=offset, group_index=index)
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        return [self.codes, self.scale] + ([] if self.offset is None else [self.offset])
+        optional = [t for t in (self.offset, self.group_index) if t is not None]
+        return [self.codes, self.scale, *optional]
 
 
 class GroupQuantizedTensor(CheckpointTensor):

@@ -31,8 +31,14 @@ BITS = 4
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 NUM_PROMPTS, MAX_TOKENS = 4, 12
 
-# name -> (quant_method, group size: -1 is one group per output channel).
-CHECKPOINTS = {"gptq-g32": ("gptq", 32), "gptq-per-channel": ("gptq", -1), "awq-g32": ("awq", 32)}
+# name -> (quant_method, group size: -1 is one group per output channel, act-order: groups
+# formed over a permutation of the input features, as GPTQ's desc_act makes them).
+CHECKPOINTS = {
+    "gptq-g32": ("gptq", 32, False),
+    "gptq-per-channel": ("gptq", -1, False),
+    "gptq-act-order-g32": ("gptq", 32, True),
+    "awq-g32": ("awq", 32, False),
+}
 
 
 def quantize(
@@ -67,23 +73,22 @@ def pack_words(values: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
 
 
 def gptq_tensors(
-    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g_idx: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """AutoGPTQ's layout: qweight ``[in / 8, out]`` packed along the input dim, qzeros
-    ``[groups, out / 8]`` along the output dim holding zero - 1 (the v1 convention)."""
+    """AutoGPTQ's layout: qweight ``[in / 8, out]`` packed along the input dim (in the
+    features' own order, act-order or not), qzeros ``[groups, out / 8]`` along the output
+    dim holding zero - 1 (the v1 convention), each feature's group in g_idx."""
     natural = tuple(range(8))
-    in_features = codes.shape[1]
-    size = in_features if group_size == -1 else group_size
     return {
         "qweight": pack_words(codes, natural).T.contiguous(),
         "qzeros": pack_words((zero - 1).T.contiguous(), natural),
         "scales": scale.T.contiguous(),
-        "g_idx": (torch.arange(in_features) // size).to(torch.int32),
+        "g_idx": g_idx.to(torch.int32),
     }
 
 
 def awq_tensors(
-    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g_idx: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     """AutoAWQ's GEMM layout: qweight ``[in, out / 8]`` and qzeros ``[groups, out / 8]``
     packed along the output dim in its interleaved order."""
@@ -97,14 +102,14 @@ def awq_tensors(
 PACKERS = {"gptq": gptq_tensors, "awq": awq_tensors}
 
 
-def quantization_config(method: str, group_size: int) -> dict[str, Any]:
+def quantization_config(method: str, group_size: int, act_order: bool = False) -> dict[str, Any]:
     """What AutoGPTQ / AutoAWQ write into config.json."""
     if method == "gptq":
         return {
             "quant_method": "gptq",
             "bits": BITS,
             "group_size": group_size,
-            "desc_act": False,
+            "desc_act": act_order,
             "sym": False,
             "checkpoint_format": "gptq",
         }
@@ -128,18 +133,33 @@ def quantized_checkpoint(
     def make(name: str) -> tuple[Path, transformers.PreTrainedModel]:
         if name in made:
             return made[name]
-        method, group_size = CHECKPOINTS[name]
+        method, group_size, act_order = CHECKPOINTS[name]
         source = tiny_model_dir("llama")
         model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
         tensors: dict[str, torch.Tensor] = {}
+        generator = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for module_name, module in model.named_modules():
                 if module_name.rpartition(".")[2] not in _PROJECTIONS:
                     continue
-                codes, scale, zero = quantize(module.weight, group_size)
-                for part, tensor in PACKERS[method](codes, scale, zero, group_size).items():
+                in_features = module.weight.shape[1]
+                # The order groups are formed in: position i of it is in group i // size.
+                order = (
+                    torch.randperm(in_features, generator=generator)
+                    if act_order
+                    else torch.arange(in_features)
+                )
+                codes_in_order, scale, zero = quantize(module.weight[:, order], group_size)
+                size = in_features if group_size == -1 else group_size
+                codes = torch.empty_like(codes_in_order)
+                codes[:, order] = codes_in_order
+                g_idx = torch.empty(in_features, dtype=torch.int64)
+                g_idx[order] = torch.arange(in_features) // size
+                for part, tensor in PACKERS[method](codes, scale, zero, g_idx).items():
                     tensors[f"{module_name}.{part}"] = tensor
-                module.weight.copy_(dequantized(codes, scale, zero))
+                weight = torch.empty_like(module.weight)
+                weight[:, order] = dequantized(codes_in_order, scale, zero)
+                module.weight.copy_(weight)
         quantized = set(tensors)
         for param_name, param in model.state_dict().items():
             if param_name.rpartition(".")[0] + ".qweight" not in quantized:
@@ -147,7 +167,7 @@ def quantized_checkpoint(
         path = tmp_path_factory.mktemp(name)
         save_file(tensors, path / "model.safetensors")
         config = json.loads((source / "config.json").read_text())
-        config["quantization_config"] = quantization_config(method, group_size)
+        config["quantization_config"] = quantization_config(method, group_size, act_order)
         (path / "config.json").write_text(json.dumps(config))
         transformers.AutoTokenizer.from_pretrained(source).save_pretrained(path)
         made[name] = (path, model.eval())
@@ -203,13 +223,13 @@ def test_greedy_and_logprobs_match_transformers_on_the_dequantized_weights(
     torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-4, rtol=0)
 
 
-@pytest.mark.slow  # two rank processes per format: about 30 s
+@pytest.mark.slow  # two rank processes per format: about 45 s
 def test_two_ranks_split_the_packed_weights_and_their_groups(
     quantized_checkpoint: Callable[[str], tuple[Path, transformers.PreTrainedModel]],
     tokenizer: transformers.PreTrainedTokenizerBase,
 ) -> None:
     prompts = _prompts(tokenizer)[:NUM_PROMPTS]
-    for name in ("gptq-g32", "awq-g32"):
+    for name in ("gptq-g32", "gptq-act-order-g32", "awq-g32"):
         path, reference = quantized_checkpoint(name)
         expected_tokens, _ = reference_results(reference, prompts, prompts[0])
         with LLM(path, max_model_len=256, tensor_parallel_size=2) as llm:
@@ -224,7 +244,6 @@ def _hf_config(**quantization: Any) -> SimpleNamespace:
 @pytest.mark.parametrize(
     ("config", "named"),
     [
-        ({**quantization_config("gptq", 32), "desc_act": True}, "desc_act=True"),
         ({**quantization_config("gptq", 32), "bits": 3}, "3-bit weights"),
         ({**quantization_config("gptq", 32), "checkpoint_format": "marlin"}, "'marlin'"),
         ({**quantization_config("awq", 32), "version": "gemv"}, "'gemv' layout"),
