@@ -198,12 +198,15 @@ def reference_results(
     return [hf_greedy(model, p, MAX_TOKENS) for p in prompts], tokens
 
 
+# The default run keeps one GPTQ case, act-order (its unpacking is the in-order one's, plus
+# g_idx); in-order group 32 and per channel run in the slow one.
+DEFAULT_RUN_CHECKPOINTS = ("gptq-act-order-g32", "awq-g32")
+
+
 @pytest.mark.parametrize(
     "name",
-    # Per channel in the slow run: compressed-tensors' per-channel test covers that layout
-    # in the default one.
     [
-        pytest.param(n, marks=pytest.mark.slow if n == "gptq-per-channel" else ())
+        pytest.param(n, marks=() if n in DEFAULT_RUN_CHECKPOINTS else pytest.mark.slow)
         for n in CHECKPOINTS
     ],
 )
