@@ -11,6 +11,7 @@ import torch
 
 from paged_llm.engine_args import KV_CACHE_DTYPES, EngineArgs
 from paged_llm.layers.attention import ATTENTION_BACKENDS
+from paged_llm.layers.quantization.checkpoint_formats import resolve_quantization
 from paged_llm.model_files.gguf_quantized import gguf_source
 from paged_llm.platforms import Platform, get_platform
 
@@ -256,6 +257,7 @@ class EngineConfig:
             "attention_backend": attention_backend,
             "chunked_prefill": chunked_prefill,
             "seed": seed,
+            "quantization": resolve_quantization(args.quantization, hf_config),
         }
         # The other fields are settings taken as given, under the same names.
         return cls(

@@ -270,12 +270,16 @@ class EngineArgs:
     quantization: str | None = _honoured(
         None,
         "The format of the decoder layers' linear weights: None keeps the checkpoint's "
-        'float weights (a .gguf file dequantized exactly to float); "int8" quantizes them '
-        'at load time to int8 with one scale per output channel, "fp8" (CUDA only) to '
-        'float8_e4m3fn with one scale per output channel; "gguf" keeps a .gguf '
-        "file's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights quantized and dequantizes "
-        "them in each matmul. Weight-only: activations stay in dtype. The embedding and LM "
-        "head are quantized too unless quantize_embeddings=False. See docs/quantization.md.",
+        "weights as stored (float; a .gguf file dequantized exactly to float; a pre-quantized "
+        "checkpoint, whose config.json has a quantization_config, quantized); "
+        '"compressed-tensors", "gptq" or "awq" names that pre-quantized format (any other '
+        'value for such a checkpoint is refused); "int8" quantizes float weights at load '
+        'time to int8 with one scale per output channel, "fp8" (CUDA only) to '
+        'float8_e4m3fn with one scale per output channel; "gguf" keeps a .gguf file\'s '
+        "Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights quantized and dequantizes them in "
+        "each matmul. Weight-only: activations stay in dtype. With int8, fp8 and gguf the "
+        "embedding and LM head are quantized too unless quantize_embeddings=False. See "
+        "docs/quantization.md.",
         cli=_FLAG,
         accepts=(None, *QUANTIZATION_METHODS),
     )

@@ -12,11 +12,13 @@ import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 from torch import nn
 
 from paged_llm.layers.linear import Linear
 from paged_llm.layers.quantization.grouped import GroupQuantizedLinearMethod, GroupQuantizedTensor
+from paged_llm.layers.quantization.prequantized import PreQuantizedCheckpoint
 from paged_llm.layers.weights import CheckpointTensor
 
 # Buffers some checkpoints carry that we recompute instead.
@@ -55,16 +57,28 @@ def _target(name: str, packed_modules: dict[str, tuple[str, int]]) -> tuple[str,
     return name, None
 
 
-def load_weights(model: nn.Module, model_dir: Path) -> None:
-    """Copy every checkpoint tensor into ``model``; fail on missing or unexpected weights."""
+def load_weights(
+    model: nn.Module, model_dir: Path, pre_quantized: PreQuantizedCheckpoint | None = None
+) -> None:
+    """Copy every checkpoint tensor into ``model``; fail on missing or unexpected weights.
+
+    With a ``pre_quantized`` checkpoint, the tensors that hold a projection quantized are
+    gathered per projection, unpacked, and handed to its layer still quantized.
+    """
     packed_modules: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
     params = dict(model.named_parameters())
     tied = getattr(model.config, "tie_word_embeddings", False)
     expected = {(name, shard) for name in params for shard in _shards(model, name)}
     loaded: set[tuple[str, int | None]] = set()
+    # projection -> its quantized tensors, by the last part of their names.
+    quantized: dict[str, dict[str, torch.Tensor]] = {}
     for tensor in iterate_checkpoint(model_dir):
         ckpt_name = tensor.name
         if ckpt_name.endswith(_IGNORED_SUFFIXES) or (tied and ckpt_name == "lm_head.weight"):
+            continue
+        module = None if pre_quantized is None else pre_quantized.quantized_module(ckpt_name)
+        if module is not None:
+            quantized.setdefault(module, {})[ckpt_name.rpartition(".")[2]] = tensor.read()
             continue
         name, shard = _target(ckpt_name, packed_modules)
         param = params.get(name)
@@ -77,6 +91,15 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
             tensor.check_shape(tuple(param.shape))
             param.data.copy_(tensor.read())
         loaded.add((name, shard))
+    if pre_quantized is not None:
+        load_quantized_weights(
+            model,
+            (
+                GroupQuantizedTensor(f"{module}.weight", pre_quantized.unpack(module, tensors))
+                for module, tensors in quantized.items()
+            ),
+        )
+        loaded.update(_target(f"{module}.weight", packed_modules) for module in quantized)
     missing = sorted(
         f"{name}" + (f"[shard {s}]" if s is not None else "") for name, s in expected - loaded
     )

@@ -137,8 +137,12 @@ def test_seed_none_the_uni_backend_and_a_revision_with_a_local_path_run(
         ({"enable_lora": True}, r"enable_lora=True is not supported by paged_llm: LoRA"),
         ({"cpu_offload_gb": 4}, r"cpu_offload_gb=4 is not supported.*never offloaded"),
         (
+            {"quantization": "bitsandbytes"},
+            r"quantization='bitsandbytes' is not supported.*Leave it at None or 'int8'",
+        ),
+        (
             {"quantization": "awq"},
-            r"quantization='awq' is not supported.*Leave it at None or 'int8'",
+            r"quantization='awq' loads a pre-quantized checkpoint.*no quantization_config",
         ),
         ({"logits_processors": [lambda ids, logits: logits]}, r"logits_processors=.*callables"),
         ({"distributed_executor_backend": "ray"}, r"distributed_executor_backend='ray'.*ray"),

@@ -31,6 +31,7 @@ from paged_llm.layers.linear import (
     use_fixed_row_tiles,
 )
 from paged_llm.layers.quantization import QuantizedLinearMethod, get_quantized_linear_method
+from paged_llm.layers.quantization.checkpoint_formats import pre_quantized_checkpoint
 from paged_llm.layers.quantization.grouped import GroupQuantizedTensor
 from paged_llm.layers.sampler import LogprobsTensors, Sampler, compute_logprobs
 from paged_llm.layers.weights import weight_memory
@@ -59,10 +60,12 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalL
 
     def vocab_method(name: str) -> QuantizedLinearMethod | None:
         """The format of the embedding or LM head (``name``): the decoder's, unless not
-        asked for or not offered, or (a .gguf) the file stores that tensor unquantized."""
+        asked for or not offered, or the format only takes stored quantized tensors and
+        this one is stored float (a .gguf's unquantized tensor; a pre-quantized Hugging
+        Face checkpoint's embedding)."""
         if method is None or not (config.quantize_embeddings and method.quantizes_embeddings):
             return None
-        return method if config.quantization != "gguf" or name in kept_quantized else None
+        return method if method.quantizes_at_load or name in kept_quantized else None
 
     context = ModelContext(
         device=platform.device,
@@ -79,7 +82,9 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalL
         model = model_class(config.hf_config, context)
     model = model.to(dtype=config.dtype).to_empty(device=platform.device)
     model.tie_weights()
-    load_weights(model, config.model_dir)
+    load_weights(
+        model, config.model_dir, pre_quantized_checkpoint(config.quantization, config.hf_config)
+    )
     load_quantized_weights(model, gguf_tensors)
     process_weights_after_loading(model)
     if platform.prepacks_linear_weights:

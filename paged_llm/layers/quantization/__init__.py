@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from paged_llm.layers.quantization.base import QuantizedLinearMethod
+from paged_llm.layers.quantization.checkpoint_formats import PRE_QUANTIZED_FORMATS
 from paged_llm.layers.quantization.grouped import GroupQuantizedLinearMethod
 from paged_llm.layers.quantization.per_channel import PerChannelLinearMethod
 
@@ -21,6 +22,8 @@ QUANTIZATION_METHODS: dict[str, Callable[[bool], QuantizedLinearMethod]] = {
     "fp8": lambda triton: PerChannelLinearMethod(torch.float8_e4m3fn, triton),
     # Dequantizes with torch ops on every device (a Triton kernel is still to come).
     "gguf": lambda triton: GroupQuantizedLinearMethod(),
+    # Pre-quantized checkpoints, unpacked into the same group-quantized layout.
+    **{name: lambda triton: GroupQuantizedLinearMethod() for name in PRE_QUANTIZED_FORMATS},
 }
 
 

@@ -26,6 +26,9 @@ class QuantizedLinearMethod(ABC):
     """
 
     quantizes_embeddings: ClassVar[bool] = False
+    # Whether the format quantizes float checkpoint weights as it loads them (int8, fp8),
+    # or only keeps tensors that arrive quantized (a GGUF file, a pre-quantized checkpoint).
+    quantizes_at_load: ClassVar[bool] = True
 
     @abstractmethod
     def create_weights(self, layer: Linear) -> None:

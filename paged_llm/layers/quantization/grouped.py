@@ -25,7 +25,8 @@ DEQUANTIZED_ROWS = 4096
 @dataclass(frozen=True)
 class GroupQuantizedWeight:
     """``W[n, k] = scale[n, k // g] * code[n, k] + offset[n, k // g]`` for groups of ``g``
-    consecutive input features.
+    consecutive input features, or with ``group_index[k]`` for ``k // g`` where each input
+    feature's group is given (GPTQ's act-order ``g_idx``: groups of a permutation).
 
     Codes of 4 bits or fewer are packed two to a byte (``codes[n, j]`` holds ``k = 2j`` in
     its low nibble and ``k = 2j + 1`` in its high one); wider codes are one int8 each. The
@@ -39,10 +40,37 @@ class GroupQuantizedWeight:
     offset: torch.Tensor | None
     bits: int
     group_size: int
+    group_index: torch.Tensor | None = None
+
+    @classmethod
+    def from_codes(
+        cls,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        bits: int,
+        group_index: torch.Tensor | None = None,
+    ) -> GroupQuantizedWeight:
+        """``W = scale * (codes - zero)`` for unsigned ``codes [N, K]`` of ``bits`` (at most
+        8) and float ``scale`` / ``zero`` ``[N, groups]``, in this layout: the offset is
+        ``-scale * zero`` (None where every zero is 0), 8-bit codes are stored as
+        ``codes - 128``."""
+        scale, zero = scale.to(torch.float32), zero.to(torch.float32)
+        if bits <= 4:
+            low, high = codes[:, 0::2], codes[:, 1::2]
+            packed = (low | (high << 4)).to(torch.uint8)
+        else:
+            # NOTE: the shift keeps each code in int8, and moves into the offset exactly
+            # (zero and 128 are small integers).
+            packed, zero = (codes - 128).to(torch.int8), zero - 128
+        offset = None if not zero.any() else -scale * zero
+        group_size = codes.shape[1] // scale.shape[1]
+        index = None if group_index is None else group_index.to(torch.int64)
+        return cls(packed.contiguous(), scale.contiguous(), offset, bits, group_size, index)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.codes.shape[0], self.scale.shape[1] * self.group_size
+        return self.codes.shape[0], self.codes.shape[1] * (2 if self.nibbles else 1)
 
     @property
     def nibbles(self) -> bool:
@@ -65,7 +93,16 @@ class GroupQuantizedWeight:
         return replace(self, codes=self.codes[row_ids], scale=self.scale[row_ids], offset=offset)
 
     def cols(self, start: int, size: int) -> GroupQuantizedWeight:
-        """Input features ``[start, start + size)``, on group boundaries."""
+        """Input features ``[start, start + size)``, on group boundaries (a per-channel
+        weight's one group per row is cut to the columns kept, its scale unchanged)."""
+        per_byte = 2 if self.nibbles else 1
+        codes = self.codes[:, start // per_byte : (start + size) // per_byte]
+        if self.group_index is not None:
+            # Every group may have features in any shard: keep all scales and offsets.
+            index = self.group_index[start : start + size]
+            return replace(self, codes=codes, group_index=index)
+        if self.scale.shape[1] == 1 and start % per_byte == 0 and size % per_byte == 0:
+            return replace(self, codes=codes, group_size=size)
         if start % self.group_size or size % self.group_size:
             raise ValueError(
                 f"A tensor-parallel shard of input features [{start}, {start + size}) does not "
@@ -73,8 +110,6 @@ class GroupQuantizedWeight:
                 "tensor_parallel_size."
             )
         groups = slice(start // self.group_size, (start + size) // self.group_size)
-        per_byte = 2 if self.nibbles else 1
-        codes = self.codes[:, start // per_byte : (start + size) // per_byte]
         offset = None if self.offset is None else self.offset[:, groups]
         return replace(self, codes=codes, scale=self.scale[:, groups], offset=offset)
 
@@ -85,6 +120,11 @@ class GroupQuantizedWeight:
             codes = torch.stack([low, high], dim=-1).flatten(1)
         else:
             codes = self.codes
+        if self.group_index is not None:
+            weight = codes.to(torch.float32) * self.scale[:, self.group_index]
+            if self.offset is not None:
+                weight += self.offset[:, self.group_index]
+            return weight.to(dtype)
         num_rows, num_groups = self.scale.shape
         grouped = codes.to(torch.float32).view(num_rows, num_groups, self.group_size)
         weight = grouped * self.scale[..., None]
@@ -93,14 +133,17 @@ class GroupQuantizedWeight:
         return weight.view(num_rows, -1).to(dtype)
 
     def to(self, device: torch.device) -> GroupQuantizedWeight:
-        offset = None if self.offset is None else self.offset.to(device)
-        return replace(
-            self, codes=self.codes.to(device), scale=self.scale.to(device), offset=offset
-        )
+        """A copy on ``device``: a rank's rows or columns then hold only their own bytes,
+        not the whole checkpoint tensor they were sliced from."""
+        offset = None if self.offset is None else self.offset.to(device, copy=True)
+        index = None if self.group_index is None else self.group_index.to(device, copy=True)
+        codes, scale = self.codes.to(device, copy=True), self.scale.to(device, copy=True)
+        return replace(self, codes=codes, scale=scale, offset=offset, group_index=index)
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        return [self.codes, self.scale] + ([] if self.offset is None else [self.offset])
+        optional = [t for t in (self.offset, self.group_index) if t is not None]
+        return [self.codes, self.scale, *optional]
 
 
 class GroupQuantizedTensor(CheckpointTensor):
@@ -127,6 +170,7 @@ class GroupQuantizedLinearMethod(QuantizedLinearMethod):
     """
 
     quantizes_embeddings = True
+    quantizes_at_load = False
 
     def create_weights(self, layer: Linear) -> None:
         # An empty placeholder: the weight arrives as pieces, through `load_quantized`.
@@ -151,9 +195,10 @@ class GroupQuantizedLinearMethod(QuantizedLinearMethod):
         expected = layer.num_checkpoint_shards or 1
         if sorted(pieces) != list(range(expected)):
             raise ValueError(
-                f"quantization='gguf': a layer of {expected} projection(s) got quantized "
-                f"weights for {len(pieces)}; every decoder projection must be "
-                "a quantized tensor in the GGUF file."
+                f"A layer of {expected} projection(s) got quantized weights for "
+                f"{len(pieces)}; with a quantized checkpoint (a GGUF file, "
+                "or a pre-quantized Hugging Face one) every decoder projection must be stored "
+                "quantized."
             )
         # NOTE: sorted in place: a tied LM head holds the embedding's same dict.
         ordered = sorted(pieces.items())
