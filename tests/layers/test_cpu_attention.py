@@ -3,7 +3,7 @@ backend and the reference, and its fallback where the kernel cannot be built."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
 from pathlib import Path
 
 import pytest
@@ -13,7 +13,7 @@ import csrc_cpu
 from csrc_triton import reference
 from paged_llm.layers.attention import CpuAttentionBackend, TorchAttentionBackend
 from tests.csrc_triton.batches import make_batch
-from tests.layers.test_attention import _run_backend
+from tests.layers.test_attention import _metadata_of, _run_backend
 
 # Decodes of context 1 (a one-token prompt), on both sides of block boundaries (15, 16,
 # 17 tokens before the query at block size 16) and over many blocks, a fresh prefill, and
@@ -103,13 +103,13 @@ def test_batch_invariant_mode_attends_every_token_through_the_kernel() -> None:
 
 
 @pytest.fixture
-def _failing_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """A fresh extension directory and a compiler that does not exist."""
+def _failing_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh extension directory, a compiler that does not exist, and a `load` that has
+    not run yet (the real one keeps its loaded library for the other tests: a library
+    loaded twice would register its operators twice)."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    csrc_cpu.load.cache_clear()
-    yield
-    csrc_cpu.load.cache_clear()
+    monkeypatch.setattr(csrc_cpu, "load", functools.cache(csrc_cpu.load.__wrapped__))
 
 
 @pytest.mark.usefixtures("_failing_build")
@@ -121,3 +121,29 @@ def test_a_failed_build_warns_and_falls_back_to_torch() -> None:
     assert not backend.has_kernel
     expected = _run_backend(batch, 16, None, TorchAttentionBackend())
     assert torch.equal(actual, expected)
+
+
+def test_decodes_sharing_a_long_prefix_attend_to_it_once() -> None:
+    """Five decodes whose tables start with the same 4 blocks go through the torch
+    backend's cascade (the prefix gathered once); the others through the kernel."""
+    torch.manual_seed(5)
+    batch = make_batch(
+        (1, 1, 1, 1, 1, 1, 20),
+        (100, 90, 130, 64, 70, 150, 30),
+        2,
+        3,
+        64,
+        16,
+        torch.float32,
+        "cpu",
+        unused_fill=1e4,
+    )
+    batch["block_tables"][1:5, :4] = batch["block_tables"][0, :4]
+    backend = CpuAttentionBackend()
+    actual = _run_backend(batch, 16, None, backend)
+    expected = reference.paged_attention(**batch)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    plan = backend.prepare(_metadata_of(batch, 16)).decodes
+    assert plan.cascade.shared_prefix is not None
+    assert len(plan.cascade.shared_prefix.token_idx) == 5
+    assert plan.paged.token_idx.tolist() == [5]

@@ -19,18 +19,32 @@ import torch
 
 import csrc_cpu
 from paged_llm.layers.attention.base import AttentionMetadata
-from paged_llm.layers.attention.torch_backend import DecodeTokens, TorchAttentionBackend
+from paged_llm.layers.attention.torch_backend import (
+    _CASCADE_MIN_BLOCKS,
+    _CASCADE_MIN_SEQS,
+    DecodeTokens,
+    TorchAttentionBackend,
+    _shared_prefix_blocks,
+)
 
 
 @dataclass(slots=True)
 class _PagedDecodes:
-    """The kernel's view of a step's decodes: rows of the batch, of the block tables, and
+    """The kernel's view of some decodes: rows of the batch, of the block tables, and
     context lengths, ``[N]`` int64 each."""
 
     token_idx: torch.Tensor
     seq_idx: torch.Tensor
     context_lens: torch.Tensor
     block_tables: torch.Tensor  # [B, max_blocks] int32, as the step holds them
+
+
+@dataclass(slots=True)
+class _CpuDecodes:
+    paged: _PagedDecodes | None
+    # Decodes sharing a long prefix, attended by the torch backend's cascade path (the
+    # prefix read once for all of them).
+    cascade: Any
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -51,6 +65,26 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _plan_decodes(self, metadata: AttentionMetadata, decodes: DecodeTokens) -> Any:
         if not self.has_kernel:
             return super()._plan_decodes(metadata, decodes)
+        members = self._cascade_members(metadata, decodes)
+        member_set = set(members)
+        rest = [i for i in range(len(decodes.tokens)) if i not in member_set]
+        return _CpuDecodes(
+            paged=self._paged(metadata, _subset(decodes, rest)) if rest else None,
+            cascade=super()._plan_decodes(metadata, _subset(decodes, members)) if members else None,
+        )
+
+    def _cascade_members(self, metadata: AttentionMetadata, decodes: DecodeTokens) -> list[int]:
+        """The decodes (indices into ``decodes``) worth attending as a cascade."""
+        if not self.cascade or len(decodes.tokens) < _CASCADE_MIN_SEQS:
+            return []
+        tables = metadata.block_tables[torch.tensor(decodes.seqs)]
+        members, num_shared = _shared_prefix_blocks(
+            tables, decodes.context_lens, metadata.block_size
+        )
+        return members if num_shared >= _CASCADE_MIN_BLOCKS else []
+
+    @staticmethod
+    def _paged(metadata: AttentionMetadata, decodes: DecodeTokens) -> _PagedDecodes:
         return _PagedDecodes(
             token_idx=torch.tensor(decodes.tokens),
             seq_idx=torch.tensor(decodes.seqs),
@@ -73,16 +107,29 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 query, key_cache, value_cache, decodes, scale, sliding_window, out
             )
             return
-        plan: _PagedDecodes = decodes
-        csrc_cpu.decode_attention(
-            query,
-            key_cache,
-            value_cache,
-            plan.block_tables,
-            plan.token_idx,
-            plan.seq_idx,
-            plan.context_lens,
-            scale,
-            sliding_window,
-            out,
-        )
+        plan: _CpuDecodes = decodes
+        if plan.cascade is not None:
+            super()._attend_decodes(
+                query, key_cache, value_cache, plan.cascade, scale, sliding_window, out
+            )
+        if plan.paged is not None:
+            csrc_cpu.decode_attention(
+                query,
+                key_cache,
+                value_cache,
+                plan.paged.block_tables,
+                plan.paged.token_idx,
+                plan.paged.seq_idx,
+                plan.paged.context_lens,
+                scale,
+                sliding_window,
+                out,
+            )
+
+
+def _subset(decodes: DecodeTokens, rows: list[int]) -> DecodeTokens:
+    return DecodeTokens(
+        [decodes.seqs[i] for i in rows],
+        [decodes.tokens[i] for i in rows],
+        [decodes.context_lens[i] for i in rows],
+    )
