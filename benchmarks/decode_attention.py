@@ -101,9 +101,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                 backend.forward(**tensors, metadata=metadata, scale=0.125, sliding_window=None)
                 wall_start, cpu_start = time.perf_counter(), time.process_time()
                 for _ in range(args.calls):
-                    backend.forward(
-                        **tensors, metadata=metadata, scale=0.125, sliding_window=None
-                    )
+                    backend.forward(**tensors, metadata=metadata, scale=0.125, sliding_window=None)
                 wall[name].append((time.perf_counter() - wall_start) / args.calls * 1e3)
                 cpu[name].append((time.process_time() - cpu_start) / args.calls * 1e3)
     results = {
