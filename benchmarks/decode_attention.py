@@ -9,6 +9,7 @@ machine.
 
 Run from the repository root:
     python -m benchmarks.decode_attention --backends torch,cpu --batch-size 64 --context-len 256
+    python -m benchmarks.decode_attention --shared-prefix 448 --context-len 600 [--no-cascade]
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument(
         "--shared-prefix", type=int, default=0, help="leading tokens all sequences share"
+    )
+    parser.add_argument(
+        "--no-cascade",
+        action="store_true",
+        help="attend shared prefixes per sequence, not once for all (the backends' cascade)",
     )
     parser.add_argument("--calls", type=int, default=30, help="timed calls per repeat")
     parser.add_argument("--repeats", type=int, default=5)
@@ -91,6 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         backend = get_attention_backend(name)
         kv_bytes = 2 * args.num_kv_heads * args.head_dim * tensors["query"].element_size()
         backend.setup(kv_bytes, has_sliding_window=False)
+        backend.cascade = not args.no_cascade
         backends[name] = (backend, backend.prepare(metadata))
     wall: dict[str, list[float]] = {name: [] for name in backends}
     cpu: dict[str, list[float]] = {name: [] for name in backends}
@@ -112,6 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         f"decode attention, one layer: {args.batch_size} seqs x {args.context_len} tokens, "
         f"{args.num_heads}/{args.num_kv_heads} heads x {args.head_dim}, {args.dtype}, "
         f"{args.threads} threads, shared prefix {args.shared_prefix}"
+        + (", no cascade" if args.no_cascade else "")
     )
     for name, result in results.items():
         print(f"  {name:>6}: {result['wall_ms']:.3f} ms wall, {result['cpu_ms']:.3f} ms CPU")
