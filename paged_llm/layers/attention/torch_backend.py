@@ -179,14 +179,9 @@ class TorchAttentionBackend(AttentionBackend):
         num_decodes = len(decode_tokens)
         # Blocks each decode skips because the shared prefix covers them.
         skipped = [0] * num_decodes
-        members: list[int] = []
-        num_shared = 0
-        if self.cascade and num_decodes >= _CASCADE_MIN_SEQS:
-            members, num_shared = _shared_prefix_blocks(tables, context_lens, block_size)
-            if num_shared < _CASCADE_MIN_BLOCKS:
-                members, num_shared = [], 0
-            for i in members:
-                skipped[i] = num_shared
+        members, num_shared = self._cascade(tables, context_lens, block_size)
+        for i in members:
+            skipped[i] = num_shared
         member_set = set(members)
         chunks: list[_DecodeChunk] = []
         shared_token_idx: list[int] = []
@@ -211,6 +206,18 @@ class TorchAttentionBackend(AttentionBackend):
                 token_idx=torch.tensor(shared_token_idx, device=device),
             )
         return _GatheredDecodes(chunks, shared_prefix)
+
+    def _cascade(
+        self, tables: torch.Tensor, context_lens: list[int], block_size: int
+    ) -> tuple[list[int], int]:
+        """The decodes (rows of ``tables``) that attend to their shared prefix together,
+        and its length in blocks; ``([], 0)`` where no prefix is worth it."""
+        if not self.cascade or len(context_lens) < _CASCADE_MIN_SEQS:
+            return [], 0
+        members, num_shared = _shared_prefix_blocks(tables, context_lens, block_size)
+        if num_shared < _CASCADE_MIN_BLOCKS:
+            return [], 0
+        return members, num_shared
 
     def _length_chunks(
         self, rows: list[int], context_lens: list[int], skipped: list[int], block_size: int
