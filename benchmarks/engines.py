@@ -72,6 +72,8 @@ class EngineOptions:
     batch_invariant: bool = False
     # paged_llm only: LLM(kv_cache_dtype=...).
     kv_cache_dtype: str = "auto"
+    # paged_llm only: LLM(attention_backend=...).
+    attention_backend: str = "auto"
     # paged_llm only: "json" constrains every request with `STRUCTURED_JSON_SCHEMA`.
     structured: str | None = None
     # paged_llm only: LLM(quantization=...).
@@ -179,6 +181,7 @@ class PagedLLMEngine(Engine):
             data_parallel_size=options.data_parallel_size,
             batch_invariant=options.batch_invariant,
             kv_cache_dtype=options.kv_cache_dtype,
+            attention_backend=options.attention_backend,
             quantization=options.quantization,
         )
         self.structured = options.structured

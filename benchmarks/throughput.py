@@ -204,6 +204,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "costs or saves",
     )
     parser.add_argument(
+        "--attention-backend",
+        default=None,
+        help="also run paged_llm with this attention_backend (e.g. torch, against the CPU "
+        "default cpu), to compare them",
+    )
+    parser.add_argument(
         "--structured",
         choices=("json",),
         default=None,
@@ -491,6 +497,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"paged_llm kv_cache_dtype={args.kv_cache_dtype}",
                     REFERENCE_ENGINE,
                     replace(options, kv_cache_dtype=args.kv_cache_dtype),
+                )
+            )
+        if args.attention_backend is not None:
+            jobs.append(
+                (
+                    f"paged_llm attention_backend={args.attention_backend}",
+                    REFERENCE_ENGINE,
+                    replace(options, attention_backend=args.attention_backend),
                 )
             )
         if args.structured is not None:

@@ -183,10 +183,10 @@ class EngineConfig:
             "in (0, 1]",
         )
         _check(
-            attention_backend in ("auto", "torch", "triton"),
+            attention_backend == "auto" or attention_backend in ATTENTION_BACKENDS,
             "attention_backend",
             attention_backend,
-            "'auto', 'torch' or 'triton'",
+            "'auto' or one of " + ", ".join(repr(name) for name in sorted(ATTENTION_BACKENDS)),
         )
         _check(
             isinstance(max_logprobs, int)
@@ -218,7 +218,7 @@ class EngineConfig:
             raise ValueError(
                 "attention_backend='triton' on CPU runs only under the Triton interpreter: set "
                 "TRITON_INTERPRET=1 before importing paged_llm (slow; meant for tests), or use "
-                "attention_backend='torch' (the CPU default)."
+                "attention_backend='cpu' (the CPU default)."
             )
         _check(
             isinstance(args.batch_invariant, bool),
@@ -275,7 +275,7 @@ def _check_batch_invariance(attention_backend: str, tensor_parallel_size: int) -
         raise ValueError(
             f"batch_invariant=True: the {attention_backend!r} attention backend cannot compute "
             "a token's attention independently of the rest of the batch; use "
-            "attention_backend='torch'."
+            "attention_backend='cpu' or 'torch'."
         )
     if tensor_parallel_size != 1:
         # NOTE: a collective's summation order over more than two ranks can change with the

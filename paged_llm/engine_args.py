@@ -207,7 +207,12 @@ class EngineArgs:
         0.9, "On GPU, the share of device memory the engine may use.", cli=_FLAG
     )
     enforce_eager: bool = _honoured(False, "On GPU, never capture CUDA graphs.", cli=_FLAG)
-    attention_backend: str = _honoured("auto", '"auto", "torch" or "triton".', cli=_FLAG)
+    attention_backend: str = _honoured(
+        "auto",
+        '"auto" (the platform\'s), "cpu" (torch plus a C++ decode kernel built on first use; '
+        'the CPU default), "torch" (torch operators only) or "triton" (the GPU default).',
+        cli=_FLAG,
+    )
     tensor_parallel_size: int = _honoured(
         1,
         "Split each layer's weights and KV heads over this many devices (worker processes "

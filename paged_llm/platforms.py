@@ -136,9 +136,10 @@ class Platform:
 
 
 class CpuPlatform(Platform):
-    """The host's own processor: oneDNN and the torch attention backend."""
+    """The host's own processor: oneDNN and the cpu attention backend."""
 
     name = "cpu"
+    default_attention_backend = "cpu"
     prepacks_linear_weights = True
 
     def enter_rank_process(self, tp_size: int) -> None:

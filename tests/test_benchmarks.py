@@ -489,3 +489,12 @@ def test_throughput_runs_vllm_cpu_as_a_peer_with_the_same_greedy_tokens(tmp_path
     assert vllm["peak_rss_mib"] > 0
     # float32 greedy decoding of the same model: the same tokens.
     assert vllm["identical_to_reference"] == 1
+
+
+def test_decode_attention_benchmark_times_each_backend_on_one_step() -> None:
+    from benchmarks import decode_attention
+
+    args = ["--batch-size", "5", "--context-len", "40", "--shared-prefix", "32"]
+    results = decode_attention.main([*args, "--calls", "1", "--repeats", "1", "--threads", "1"])
+    assert set(results) == {"torch", "cpu"}
+    assert all(result["wall_ms"] > 0 and result["cpu_ms"] >= 0 for result in results.values())

@@ -48,6 +48,7 @@ def _run_backend(
     backend: TorchAttentionBackend,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """The backend's attention over a token-major test batch."""
     num_kv_heads, head_dim = batch["key_cache"].shape[2:]
@@ -57,7 +58,7 @@ def _run_backend(
     # them again must change nothing.
     key = batch["key_cache"].view(-1, num_kv_heads, head_dim)[slots].float() * k_scale
     value = batch["value_cache"].view(-1, num_kv_heads, head_dim)[slots].float() * v_scale
-    backend.setup(2 * num_kv_heads * head_dim * 4, sliding_window is not None)
+    backend.setup(2 * num_kv_heads * head_dim * 4, sliding_window is not None, batch_invariant)
     metadata.backend_data = backend.prepare(metadata)
     # The batch's caches are token-major; this backend keeps its cache head-major.
     key_cache = batch["key_cache"].permute(2, 0, 1, 3).contiguous()
@@ -130,7 +131,7 @@ def test_fp8_cache_matches_reference(cache_dtype: torch.dtype) -> None:
     batch["value_cache"] = reference.quantize(batch["value_cache"], cache_dtype, v_scale)
     backend = TorchAttentionBackend()
     actual = _run_backend(batch, 16, None, backend, k_scale, v_scale)
-    assert backend.prepare(_metadata_of(batch, 16)).shared_prefix is not None
+    assert backend.prepare(_metadata_of(batch, 16)).decodes.shared_prefix is not None
     expected = reference.paged_attention(**batch, k_scale=k_scale, v_scale=v_scale)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
@@ -161,7 +162,7 @@ def test_decodes_sharing_a_prefix_attend_to_it_once(
     actual = _run_backend(batch, block_size, None, backend)
     expected = reference.paged_attention(**batch)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
-    plan = backend.prepare(_metadata_of(batch, block_size))
-    assert plan.shared_prefix is not None
-    assert plan.shared_prefix.block_ids.tolist() == tables[0, :shared_blocks].tolist()
-    assert len(plan.shared_prefix.token_idx) == 5
+    shared_prefix = backend.prepare(_metadata_of(batch, block_size)).decodes.shared_prefix
+    assert shared_prefix is not None
+    assert shared_prefix.block_ids.tolist() == tables[0, :shared_blocks].tolist()
+    assert len(shared_prefix.token_idx) == 5

@@ -150,7 +150,14 @@ def references(
 
 @pytest.mark.parametrize(
     ("arch", "scenario", "attention_backend"),
-    [(arch, scenario, "torch") for arch in TINY_MODELS for scenario in SCENARIOS]
+    [(arch, scenario, "cpu") for arch in TINY_MODELS for scenario in SCENARIOS]
+    # The torch backend, the cpu backend's fallback where its C++ kernel cannot be built
+    # (tests/layers/test_attention.py checks it against the reference in the default run).
+    + [
+        pytest.param(arch, scenario, "torch", marks=pytest.mark.slow)
+        for arch in TINY_MODELS
+        for scenario in SCENARIOS
+    ]
     # The Triton kernels, under the interpreter on CPU (30-40 s each, so in the slow run;
     # tests/csrc_triton checks each kernel against torch in the default one): GQA with
     # chunked prefill, sliding window with prefix hits, head_dim 32 with chunked prefill.

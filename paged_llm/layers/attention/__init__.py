@@ -1,7 +1,9 @@
-"""Attention over the paged KV cache: per-step metadata, interchangeable backends (torch for
-CPU, Triton for GPU), and the layer models use."""
+"""Attention over the paged KV cache: per-step metadata, interchangeable backends (torch
+operators everywhere, torch plus a C++ decode kernel on CPU, Triton for GPU), and the layer
+models use."""
 
 from paged_llm.layers.attention.base import AttentionBackend, AttentionMetadata
+from paged_llm.layers.attention.cpu_backend import CpuAttentionBackend
 from paged_llm.layers.attention.layer import ATTENTION_BACKENDS, Attention, get_attention_backend
 from paged_llm.layers.attention.torch_backend import TorchAttentionBackend
 from paged_llm.layers.attention.triton_backend import TritonAttentionBackend
@@ -11,6 +13,7 @@ __all__ = [
     "Attention",
     "AttentionBackend",
     "AttentionMetadata",
+    "CpuAttentionBackend",
     "TorchAttentionBackend",
     "TritonAttentionBackend",
     "get_attention_backend",

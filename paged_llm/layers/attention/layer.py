@@ -6,10 +6,12 @@ import torch
 from torch import nn
 
 from paged_llm.layers.attention.base import AttentionBackend, AttentionMetadata
+from paged_llm.layers.attention.cpu_backend import CpuAttentionBackend
 from paged_llm.layers.attention.torch_backend import TorchAttentionBackend
 from paged_llm.layers.attention.triton_backend import TritonAttentionBackend
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
+    "cpu": CpuAttentionBackend,
     "torch": TorchAttentionBackend,
     "triton": TritonAttentionBackend,
 }

@@ -24,7 +24,7 @@ per-row results depend neither on the batch nor on the zero-weight padding (meas
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -75,10 +75,25 @@ class _SharedPrefix:
 
 
 @dataclass(slots=True)
-class _StepPlan:
-    prefills: list[_PrefillSeq]
-    decode_chunks: list[_DecodeChunk]
+class DecodeTokens:
+    """The query tokens of a step attended as decodes, over their own cached context."""
+
+    seqs: list[int]  # sequence (row of the block tables)
+    tokens: list[int]  # row of the flat batch
+    context_lens: list[int]  # keys it sees: its position + 1
+
+
+@dataclass(slots=True)
+class _GatheredDecodes:
+    chunks: list[_DecodeChunk]
     shared_prefix: _SharedPrefix | None
+
+
+@dataclass(slots=True)
+class StepPlan:
+    prefills: list[_PrefillSeq]
+    # What `_plan_decodes` made of the step's decodes (None: there are none).
+    decodes: Any
 
 
 def _shared_prefix_blocks(
@@ -134,43 +149,39 @@ class TorchAttentionBackend(AttentionBackend):
 
     # ----- planning, once per step ------------------------------------------------------
 
-    def prepare(self, metadata: AttentionMetadata) -> _StepPlan:
+    def prepare(self, metadata: AttentionMetadata) -> StepPlan:
         qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
         block_size = metadata.block_size
-        # Query tokens attended as decodes: their sequence, row in the flat batch and
-        # context length.
-        decode_seqs: list[int] = []
-        decode_tokens: list[int] = []
-        context_lens: list[int] = []
+        decodes = DecodeTokens([], [], [])
         prefills: list[_PrefillSeq] = []
         for b, seq_len in enumerate(seq_lens):
             start, end = qsl[b], qsl[b + 1]
             if end - start == 1 or self.batch_invariant:
-                decode_seqs.extend([b] * (end - start))
-                decode_tokens.extend(range(start, end))
-                context_lens.extend(range(seq_len - (end - start) + 1, seq_len + 1))
+                decodes.seqs.extend([b] * (end - start))
+                decodes.tokens.extend(range(start, end))
+                decodes.context_lens.extend(range(seq_len - (end - start) + 1, seq_len + 1))
                 continue
             block_ids = causal_mask = None
             if seq_len > end - start:
                 block_ids = metadata.block_tables[b, : -(-seq_len // block_size)].long()
                 causal_mask = _visible(end - start, seq_len, block_ids.device)
             prefills.append(_PrefillSeq(slice(start, end), seq_len, block_ids, causal_mask))
-        if not decode_tokens:
-            return _StepPlan(prefills, [], None)
+        if not decodes.tokens:
+            return StepPlan(prefills, None)
+        return StepPlan(prefills, self._plan_decodes(metadata, decodes))
 
+    def _plan_decodes(self, metadata: AttentionMetadata, decodes: DecodeTokens) -> Any:
+        """The per-step plan `_attend_decodes` reads: here, chunks to gather."""
+        block_size = metadata.block_size
+        decode_tokens, context_lens = decodes.tokens, decodes.context_lens
         device = metadata.block_tables.device
-        tables = metadata.block_tables[torch.tensor(decode_seqs, device=device)].long()
+        tables = metadata.block_tables[torch.tensor(decodes.seqs, device=device)].long()
         num_decodes = len(decode_tokens)
         # Blocks each decode skips because the shared prefix covers them.
         skipped = [0] * num_decodes
-        members: list[int] = []
-        num_shared = 0
-        if self.cascade and num_decodes >= _CASCADE_MIN_SEQS:
-            members, num_shared = _shared_prefix_blocks(tables, context_lens, block_size)
-            if num_shared < _CASCADE_MIN_BLOCKS:
-                members, num_shared = [], 0
-            for i in members:
-                skipped[i] = num_shared
+        members, num_shared = self._cascade(tables, context_lens, block_size)
+        for i in members:
+            skipped[i] = num_shared
         member_set = set(members)
         chunks: list[_DecodeChunk] = []
         shared_token_idx: list[int] = []
@@ -194,7 +205,19 @@ class TorchAttentionBackend(AttentionBackend):
                 block_ids=tables[members[0], :num_shared],
                 token_idx=torch.tensor(shared_token_idx, device=device),
             )
-        return _StepPlan(prefills, chunks, shared_prefix)
+        return _GatheredDecodes(chunks, shared_prefix)
+
+    def _cascade(
+        self, tables: torch.Tensor, context_lens: list[int], block_size: int
+    ) -> tuple[list[int], int]:
+        """The decodes (rows of ``tables``) that attend to their shared prefix together,
+        and its length in blocks; ``([], 0)`` where no prefix is worth it."""
+        if not self.cascade or len(context_lens) < _CASCADE_MIN_SEQS:
+            return [], 0
+        members, num_shared = _shared_prefix_blocks(tables, context_lens, block_size)
+        if num_shared < _CASCADE_MIN_BLOCKS:
+            return [], 0
+        return members, num_shared
 
     def _length_chunks(
         self, rows: list[int], context_lens: list[int], skipped: list[int], block_size: int
@@ -295,7 +318,6 @@ class TorchAttentionBackend(AttentionBackend):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> torch.Tensor:
-        num_kv_heads, head_dim = key.shape[1], key.shape[2]
         slots = metadata.slot_mapping
         stored_key = _quantize(key, key_cache.dtype, k_scale)
         stored_value = _quantize(value, value_cache.dtype, v_scale)
@@ -305,7 +327,7 @@ class TorchAttentionBackend(AttentionBackend):
         # multiplies the output.
         scale = scale * k_scale
         key, value = stored_key.to(query.dtype), stored_value.to(query.dtype)
-        plan: _StepPlan = metadata.backend_data
+        plan: StepPlan = metadata.backend_data
         out = torch.empty_like(query)
         for seq in plan.prefills:
             if seq.block_ids is None:
@@ -317,6 +339,26 @@ class TorchAttentionBackend(AttentionBackend):
             out[seq.query_slice] = _prefill_attention(
                 query[seq.query_slice], keys, values, seq, scale, sliding_window
             )
+        if plan.decodes is not None:
+            self._attend_decodes(
+                query, key_cache, value_cache, plan.decodes, scale, sliding_window, out
+            )
+        return out if v_scale == 1.0 else out.mul_(v_scale)
+
+    def _attend_decodes(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        decodes: Any,
+        scale: float,
+        sliding_window: int | None,
+        out: torch.Tensor,
+    ) -> None:
+        """Write the decodes' attention (before V's scale) into their rows of ``out``;
+        ``decodes`` is what `_plan_decodes` made."""
+        plan: _GatheredDecodes = decodes
+        num_kv_heads, head_dim = key_cache.shape[0], key_cache.shape[3]
         shared = None
         if plan.shared_prefix is not None:
             assert sliding_window is None, "cascade attention with a sliding window"
@@ -328,7 +370,7 @@ class TorchAttentionBackend(AttentionBackend):
             flat = queries.reshape(num_kv_heads, -1, head_dim)
             partial = _partial_attention(flat, keys, values, None, scale)
             shared = PartialAttention(*(t.view(*queries.shape[:3], -1) for t in partial))
-        for chunk in plan.decode_chunks:
+        for chunk in plan.chunks:
             keys, values = self._gather(key_cache, value_cache, chunk.block_tables, query.dtype)
             valid = chunk.valid
             if sliding_window is not None:
@@ -346,7 +388,6 @@ class TorchAttentionBackend(AttentionBackend):
                 merged = _merge(part, PartialAttention(*(t[:, chunk.shared_rows] for t in shared)))
                 output = merged.output / merged.total
             out[chunk.token_idx] = output.transpose(0, 1).reshape(-1, query.shape[1], head_dim)
-        return out if v_scale == 1.0 else out.mul_(v_scale)
 
 
 def _quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:

@@ -1,0 +1,94 @@
+"""C++ CPU kernels for paged_llm, compiled by ``torch.utils.cpp_extension`` on first use.
+
+Importing this package compiles nothing; `load` builds the extension (once per machine and
+source version, into torch's extension cache, ``$TORCH_EXTENSIONS_DIR`` or
+``~/.cache/torch_extensions``) and says whether the kernels can run. The build uses
+``-march=native``: the library is compiled on the machine that runs it, and a copied cache
+directory would need the same processor.
+
+This is the bottom layer; it must never import ``paged_llm``.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+
+import torch
+
+_SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
+# NOTE: -fopenmp makes at::parallel_for run on torch's OpenMP pool (the soname matches the
+# libgomp torch loaded, so the process keeps one pool and torch.set_num_threads applies).
+_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+@functools.cache
+def load() -> bool:
+    """Build and load the kernels on first call; False (with one warning that says why)
+    where they cannot be built, e.g. without a C++ compiler."""
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(
+            name="paged_llm_cpu",
+            sources=[str(source) for source in _SOURCES],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+    except Exception as error:  # a build can fail in many ways: compiler, headers, ninja
+        warnings.warn(
+            f"paged_llm's C++ CPU kernels could not be built ({_reason(error)}); decode attention "
+            "runs on torch operators instead (slower). Set CXX to a working C++17 compiler "
+            "to use them.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    return True
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    token_idx: torch.Tensor,
+    seq_idx: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """Attention of the query tokens ``token_idx`` over their paged context, into ``out``.
+
+    query and out ``[T, H, D]`` (float32, bfloat16 or float16, heads contiguous);
+    key_cache and value_cache ``[Hkv, num_blocks, block_size, D]`` as stored (the query's
+    dtype or fp8; keys divided by their scale, so ``scale`` includes it); block_tables
+    ``[B, max_blocks]`` int32; token_idx, seq_idx (the block-table row of each token) and
+    context_lens (the keys it sees: positions ``< context_len``, the last
+    ``sliding_window`` of them if given) ``[N]`` int64. Rows of ``out`` not in token_idx
+    are left as they were. Needs `load` to have returned True.
+    """
+    torch.ops.paged_llm_cpu.decode_attention(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        token_idx,
+        seq_idx,
+        context_lens,
+        scale,
+        sliding_window or 0,
+        out,
+    )
+
+
+def _reason(error: Exception) -> str:
+    """The line of a failed build's output that says what went wrong."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    cause = next((line for line in lines if "error:" in line or "not found" in line), lines[0])
+    return cause[:300]

@@ -1,0 +1,245 @@
+// Decode attention over the paged KV cache, read in place (no gather into a workspace).
+//
+// The cache is the torch backend's head-major layout, [Hkv, num_blocks, block_size, D].
+// One task per (query token, KV head) computes the G query heads that share that KV head,
+// so every key and value row is read once per token and stays in L1 while the G heads use
+// it. Scores and sums are float32 whatever the cache dtype; a task's arithmetic depends
+// only on its own query and context, never on the rest of the step or on the threads, so
+// results are batch invariant.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// Lanes of the independent partial sums in `dot` and `axpy`: wide enough for the compiler
+// to fill AVX-512 (or two AVX2) registers; the order of a dot product's additions is fixed
+// by it, not by the machine's vector width.
+constexpr int64_t kLanes = 16;
+
+// An fp8 byte's float value, from a table built once (cheaper than decoding bits per
+// element in the inner loop).
+template <typename Fp8>
+const std::array<float, 256>& fp8_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> values{};
+    for (int bits = 0; bits < 256; ++bits) {
+      values[bits] = static_cast<float>(Fp8(static_cast<uint8_t>(bits), Fp8::from_bits()));
+    }
+    return values;
+  }();
+  return table;
+}
+
+// One cache row of `head_dim` elements as float32: the row itself for a float32 cache,
+// else converted into `buffer`.
+template <typename T>
+const float* load_row(const T* row, float* buffer, int64_t head_dim) {
+  if constexpr (std::is_same_v<T, float>) {
+    return row;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>) {
+    for (int64_t d = 0; d < head_dim; ++d) buffer[d] = static_cast<float>(row[d]);
+    return buffer;
+  } else {
+    const auto& table = fp8_table<T>();
+    for (int64_t d = 0; d < head_dim; ++d) buffer[d] = table[row[d].x];
+    return buffer;
+  }
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) lanes[l] += a[i + l] * b[i + l];
+  }
+  float sum = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += lanes[l];
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+void axpy(float weight, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += weight * x[i];
+}
+
+template <typename Q, typename C>
+void decode_attention_impl(
+    const at::Tensor& query,
+    const at::Tensor& key_cache,
+    const at::Tensor& value_cache,
+    const at::Tensor& block_tables,
+    const at::Tensor& token_idx,
+    const at::Tensor& seq_idx,
+    const at::Tensor& context_lens,
+    double scale,
+    int64_t sliding_window,
+    at::Tensor& out) {
+  const int64_t num_tokens = token_idx.size(0);
+  const int64_t num_heads = query.size(1);
+  const int64_t head_dim = query.size(2);
+  const int64_t num_kv_heads = key_cache.size(0);
+  const int64_t block_size = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t q_token_stride = query.stride(0);
+  const int64_t out_token_stride = out.stride(0);
+  const int64_t table_stride = block_tables.stride(0);
+  const int64_t head_stride = key_cache.stride(0);  // the caches are contiguous
+  const int64_t block_stride = key_cache.stride(1);
+
+  const Q* q_data = query.const_data_ptr<Q>();
+  Q* out_data = out.data_ptr<Q>();
+  const C* k_data = static_cast<const C*>(key_cache.const_data_ptr());
+  const C* v_data = static_cast<const C*>(value_cache.const_data_ptr());
+  const int32_t* tables = block_tables.const_data_ptr<int32_t>();
+  const int64_t* tokens = token_idx.const_data_ptr<int64_t>();
+  const int64_t* seqs = seq_idx.const_data_ptr<int64_t>();
+  const int64_t* lens = context_lens.const_data_ptr<int64_t>();
+  const float softmax_scale = static_cast<float>(scale);
+
+  // A task's work is its context length; a few per thread even out the lengths.
+  at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> queries(group * head_dim);
+    std::vector<float> accumulators(group * head_dim);
+    std::vector<float> row_buffer(head_dim);
+    std::vector<float> scores;
+    std::vector<float> maximum(group);
+    std::vector<float> total(group);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / num_kv_heads;
+      const int64_t kv_head = task % num_kv_heads;
+      const int64_t token = tokens[n];
+      const int64_t context_len = lens[n];
+      const int64_t first = sliding_window > 0
+          ? std::max<int64_t>(0, context_len - sliding_window) : 0;
+      const int64_t visible = context_len - first;
+      const int32_t* table = tables + seqs[n] * table_stride;
+      const C* k_head = k_data + kv_head * head_stride;
+      const C* v_head = v_data + kv_head * head_stride;
+      const Q* q_row = q_data + token * q_token_stride + kv_head * group * head_dim;
+      for (int64_t i = 0; i < group * head_dim; ++i) queries[i] = static_cast<float>(q_row[i]);
+      scores.resize(group * visible);
+
+      // Pass 1: scores [G, visible] and their maximum per head.
+      std::fill(maximum.begin(), maximum.end(), -std::numeric_limits<float>::infinity());
+      for (int64_t pos = first; pos < context_len; ++pos) {
+        const C* k_row = k_head + table[pos / block_size] * block_stride
+            + (pos % block_size) * head_dim;
+        const float* key = load_row(k_row, row_buffer.data(), head_dim);
+        for (int64_t g = 0; g < group; ++g) {
+          const float score = dot(queries.data() + g * head_dim, key, head_dim) * softmax_scale;
+          scores[g * visible + pos - first] = score;
+          maximum[g] = std::max(maximum[g], score);
+        }
+      }
+      // Pass 2: exp(score - max) in place, the weighted sum of the values, the total.
+      std::fill(accumulators.begin(), accumulators.end(), 0.0f);
+      std::fill(total.begin(), total.end(), 0.0f);
+      for (int64_t g = 0; g < group; ++g) {
+        float* row = scores.data() + g * visible;
+        for (int64_t j = 0; j < visible; ++j) {
+          row[j] = std::exp(row[j] - maximum[g]);
+          total[g] += row[j];
+        }
+      }
+      for (int64_t pos = first; pos < context_len; ++pos) {
+        const C* v_row = v_head + table[pos / block_size] * block_stride
+            + (pos % block_size) * head_dim;
+        const float* value = load_row(v_row, row_buffer.data(), head_dim);
+        for (int64_t g = 0; g < group; ++g) {
+          axpy(scores[g * visible + pos - first], value,
+               accumulators.data() + g * head_dim, head_dim);
+        }
+      }
+      Q* out_row = out_data + token * out_token_stride + kv_head * group * head_dim;
+      for (int64_t g = 0; g < group; ++g) {
+        const float factor = 1.0f / total[g];
+        for (int64_t d = 0; d < head_dim; ++d) {
+          out_row[g * head_dim + d] = static_cast<Q>(accumulators[g * head_dim + d] * factor);
+        }
+      }
+    }
+  });
+}
+
+// The cache holds the query's dtype, or fp8 bytes.
+template <typename Q>
+void dispatch_cache(
+    const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+    const at::Tensor& block_tables, const at::Tensor& token_idx, const at::Tensor& seq_idx,
+    const at::Tensor& context_lens, double scale, int64_t sliding_window, at::Tensor& out) {
+  const auto run = [&](auto cache_element) {
+    decode_attention_impl<Q, decltype(cache_element)>(query, key_cache, value_cache,
+        block_tables, token_idx, seq_idx, context_lens, scale, sliding_window, out);
+  };
+  if (key_cache.scalar_type() == query.scalar_type()) return run(Q{});
+  switch (key_cache.scalar_type()) {
+    case at::kFloat8_e4m3fn:
+      return run(c10::Float8_e4m3fn{});
+    case at::kFloat8_e5m2:
+      return run(c10::Float8_e5m2{});
+    default:
+      TORCH_CHECK(false, "decode_attention: a ", query.scalar_type(), " query cannot read a ",
+          key_cache.scalar_type(), " cache");
+  }
+}
+
+// The Python wrapper (csrc_cpu/__init__.py) checks shapes and dtypes; these checks only
+// guard the memory this code reads and writes.
+void decode_attention(
+    const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+    const at::Tensor& block_tables, const at::Tensor& token_idx, const at::Tensor& seq_idx,
+    const at::Tensor& context_lens, double scale, int64_t sliding_window, at::Tensor out) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+      "decode_attention: query must be [T, H, D] with contiguous heads");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1
+      && out.stride(1) == out.size(2), "decode_attention: out must be shaped like query");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous()
+      && key_cache.sizes() == value_cache.sizes() && key_cache.dim() == 4
+      && key_cache.size(3) == query.size(2) && query.size(1) % key_cache.size(0) == 0,
+      "decode_attention: caches must be contiguous [Hkv, num_blocks, block_size, D]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1,
+      "decode_attention: block_tables must be int32 with contiguous rows");
+  TORCH_CHECK(token_idx.scalar_type() == at::kLong && seq_idx.scalar_type() == at::kLong
+      && context_lens.scalar_type() == at::kLong && token_idx.is_contiguous()
+      && seq_idx.is_contiguous() && context_lens.is_contiguous()
+      && seq_idx.size(0) == token_idx.size(0) && context_lens.size(0) == token_idx.size(0),
+      "decode_attention: token_idx, seq_idx, context_lens must be contiguous int64 [N]");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(),
+      "decode_attention: out must have the query's dtype");
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      return dispatch_cache<float>(query, key_cache, value_cache, block_tables, token_idx,
+          seq_idx, context_lens, scale, sliding_window, out);
+    case at::kBFloat16:
+      return dispatch_cache<c10::BFloat16>(query, key_cache, value_cache, block_tables,
+          token_idx, seq_idx, context_lens, scale, sliding_window, out);
+    case at::kHalf:
+      return dispatch_cache<c10::Half>(query, key_cache, value_cache, block_tables, token_idx,
+          seq_idx, context_lens, scale, sliding_window, out);
+    default:
+      TORCH_CHECK(false, "decode_attention: unsupported query dtype ", query.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(paged_llm_cpu, m) {
+  m.def(
+      "decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor token_idx, Tensor seq_idx, Tensor context_lens, "
+      "float scale, int sliding_window, Tensor(a!) out) -> ()");
+  m.impl("decode_attention", c10::DispatchKey::CPU, &decode_attention);
+}

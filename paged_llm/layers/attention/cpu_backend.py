@@ -1,0 +1,124 @@
+"""The CPU default: the torch backend's cache layout and prefill path, with every decode
+attended by a C++ kernel (``csrc_cpu``) that reads the paged cache in place.
+
+The torch backend's decodes gather each sequence's keys and values into a workspace and
+multiply them in two batched matmuls; the kernel reads each cached row once, where it
+lies, with one task per (token, KV head) for the query heads of that KV head. Decodes
+that share a long prefix (a system prompt, served by the prefix cache) still take the
+torch backend's cascade, which reads the prefix once for all of them: one layer of 64
+decodes over a shared 448 of 600 tokens took 9.4 ms there against 13.9 ms through the
+kernel (docs/benchmarks.md). Where the kernel cannot be built (no compiler), this backend
+warns once and runs as the torch one.
+
+Batch-invariant mode sends every query token through the kernel, whose per-token result
+depends only on that token's query and context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import csrc_cpu
+from paged_llm.layers.attention.base import AttentionMetadata
+from paged_llm.layers.attention.torch_backend import DecodeTokens, TorchAttentionBackend
+
+
+@dataclass(slots=True)
+class _PagedDecodes:
+    """The kernel's view of some decodes: rows of the batch, of the block tables, and
+    context lengths, ``[N]`` int64 each."""
+
+    token_idx: torch.Tensor
+    seq_idx: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor  # [B, max_blocks] int32, as the step holds them
+
+
+@dataclass(slots=True)
+class _CpuDecodes:
+    paged: _PagedDecodes | None
+    # Decodes sharing a long prefix, attended by the torch backend's cascade path (the
+    # prefix read once for all of them).
+    cascade: Any
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """`TorchAttentionBackend` with decodes through ``csrc_cpu.decode_attention``."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.has_kernel = False
+
+    def setup(
+        self, kv_bytes_per_token: int, has_sliding_window: bool, batch_invariant: bool = False
+    ) -> None:
+        super().setup(kv_bytes_per_token, has_sliding_window, batch_invariant)
+        self.has_kernel = csrc_cpu.load()
+
+    def _plan_decodes(self, metadata: AttentionMetadata, decodes: DecodeTokens) -> Any:
+        if not self.has_kernel:
+            return super()._plan_decodes(metadata, decodes)
+        tables = metadata.block_tables[torch.tensor(decodes.seqs)]
+        members, _ = self._cascade(tables, decodes.context_lens, metadata.block_size)
+        member_set = set(members)
+        rest = [i for i in range(len(decodes.tokens)) if i not in member_set]
+        return _CpuDecodes(
+            paged=self._paged(metadata, _subset(decodes, rest)) if rest else None,
+            cascade=super()._plan_decodes(metadata, _subset(decodes, members)) if members else None,
+        )
+
+    @staticmethod
+    def _paged(metadata: AttentionMetadata, decodes: DecodeTokens) -> _PagedDecodes:
+        return _PagedDecodes(
+            token_idx=torch.tensor(decodes.tokens),
+            seq_idx=torch.tensor(decodes.seqs),
+            context_lens=torch.tensor(decodes.context_lens),
+            block_tables=metadata.block_tables,
+        )
+
+    def _attend_decodes(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        decodes: Any,
+        scale: float,
+        sliding_window: int | None,
+        out: torch.Tensor,
+    ) -> None:
+        if not self.has_kernel:
+            super()._attend_decodes(
+                query, key_cache, value_cache, decodes, scale, sliding_window, out
+            )
+            return
+        plan: _CpuDecodes = decodes
+        if plan.cascade is not None:
+            super()._attend_decodes(
+                query, key_cache, value_cache, plan.cascade, scale, sliding_window, out
+            )
+        if plan.paged is not None:
+            csrc_cpu.decode_attention(
+                query,
+                key_cache,
+                value_cache,
+                plan.paged.block_tables,
+                plan.paged.token_idx,
+                plan.paged.seq_idx,
+                plan.paged.context_lens,
+                scale,
+                sliding_window,
+                out,
+            )
+
+
+def _subset(decodes: DecodeTokens, rows: list[int]) -> DecodeTokens:
+    return DecodeTokens(
+        [decodes.seqs[i] for i in rows],
+        [decodes.tokens[i] for i in rows],
+        [decodes.context_lens[i] for i in rows],
+    )

@@ -1,0 +1,149 @@
+"""The cpu attention backend (decodes through csrc_cpu's C++ kernel) against the torch
+backend and the reference, and its fallback where the kernel cannot be built."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+import csrc_cpu
+from csrc_triton import reference
+from paged_llm.layers.attention import CpuAttentionBackend, TorchAttentionBackend
+from tests.csrc_triton.batches import make_batch
+from tests.layers.test_attention import _metadata_of, _run_backend
+
+# Decodes of context 1 (a one-token prompt), on both sides of block boundaries (15, 16,
+# 17 tokens before the query at block size 16) and over many blocks, a fresh prefill, and
+# a prefill chunk after cached context.
+QUERY_LENS = (1, 1, 1, 1, 1, 1, 1, 24, 5)
+CONTEXT_LENS = (0, 15, 16, 17, 31, 63, 200, 0, 40)
+
+
+@pytest.fixture(autouse=True)
+def _kernel() -> None:
+    assert csrc_cpu.load(), "the C++ kernel must build where the tests run"
+
+
+def _batch(
+    seed: int, block_size: int, num_queries_per_kv: int, head_dim: int, dtype: torch.dtype
+) -> dict:
+    torch.manual_seed(seed)
+    # NOTE: unused slots hold large finite garbage: a read outside the context shows.
+    return make_batch(
+        QUERY_LENS,
+        CONTEXT_LENS,
+        2,
+        num_queries_per_kv,
+        head_dim,
+        block_size,
+        dtype,
+        "cpu",
+        unused_fill=1e4,
+    )
+
+
+@pytest.mark.parametrize("sliding_window", [None, 20])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("block_size", "num_queries_per_kv"), [(1, 1), (16, 3), (32, 4)])
+def test_cpu_backend_matches_torch_backend(
+    block_size: int, num_queries_per_kv: int, head_dim: int, sliding_window: int | None
+) -> None:
+    batch = _batch(0, block_size, num_queries_per_kv, head_dim, torch.float32)
+    expected = _run_backend(batch, block_size, sliding_window, TorchAttentionBackend())
+    actual = _run_backend(batch, block_size, sliding_window, CpuAttentionBackend())
+    # Float32 sums in another order: a few ulps of outputs of order 1.
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype", "atol"),
+    [
+        (torch.bfloat16, torch.bfloat16, 1e-2),
+        (torch.float16, torch.float16, 2e-3),
+        (torch.float32, torch.float8_e4m3fn, 1e-5),
+        (torch.bfloat16, torch.float8_e5m2, 1e-2),
+    ],
+)
+def test_cache_dtypes_match_reference(
+    dtype: torch.dtype, cache_dtype: torch.dtype, atol: float
+) -> None:
+    """Keys and values as stored, with their scales for fp8; sums in float32, so the only
+    error left is the output's rounding to a 16-bit dtype."""
+    batch = _batch(1, 16, 3, 64, dtype)
+    k_scale, v_scale = (0.3, 1.7) if cache_dtype.itemsize == 1 else (1.0, 1.0)
+    batch["key_cache"] = reference.quantize(batch["key_cache"], cache_dtype, k_scale)
+    batch["value_cache"] = reference.quantize(batch["value_cache"], cache_dtype, v_scale)
+    expected = reference.paged_attention(**batch, k_scale=k_scale, v_scale=v_scale)
+    actual = _run_backend(batch, 16, None, CpuAttentionBackend(), k_scale, v_scale)
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=atol)
+
+
+def test_batch_invariant_mode_attends_every_token_through_the_kernel() -> None:
+    """Prefill tokens too, each over its own context; a sequence's rows are bit-identical
+    whether the others share its step or not."""
+    batch = _batch(2, 16, 3, 64, torch.float32)
+    backend = CpuAttentionBackend()
+    together = _run_backend(batch, 16, None, backend, batch_invariant=True)
+    expected = reference.paged_attention(**batch)
+    torch.testing.assert_close(together, expected, atol=1e-5, rtol=1e-5)
+    # Only the fresh prefill (sequence 7), as a step of its own.
+    start, end = (int(i) for i in batch["query_start_loc"][7:9])
+    alone_batch = {
+        **batch,
+        "query": batch["query"][start:end],
+        "block_tables": batch["block_tables"][7:8],
+        "seq_lens": batch["seq_lens"][7:8],
+        "query_start_loc": batch["query_start_loc"][7:9] - start,
+    }
+    alone = _run_backend(alone_batch, 16, None, backend, batch_invariant=True)
+    assert torch.equal(alone, together[start:end])
+
+
+@pytest.fixture
+def _failing_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh extension directory, a compiler that does not exist, and a `load` that has
+    not run yet (the real one keeps its loaded library for the other tests: a library
+    loaded twice would register its operators twice)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(csrc_cpu, "load", functools.cache(csrc_cpu.load.__wrapped__))
+
+
+@pytest.mark.usefixtures("_failing_build")
+def test_a_failed_build_warns_and_falls_back_to_torch() -> None:
+    batch = _batch(3, 16, 3, 64, torch.float32)
+    backend = CpuAttentionBackend()
+    with pytest.warns(RuntimeWarning, match="could not be built"):
+        actual = _run_backend(batch, 16, None, backend)
+    assert not backend.has_kernel
+    expected = _run_backend(batch, 16, None, TorchAttentionBackend())
+    assert torch.equal(actual, expected)
+
+
+def test_decodes_sharing_a_long_prefix_attend_to_it_once() -> None:
+    """Five decodes whose tables start with the same 4 blocks go through the torch
+    backend's cascade (the prefix gathered once); the others through the kernel."""
+    torch.manual_seed(5)
+    batch = make_batch(
+        (1, 1, 1, 1, 1, 1, 20),
+        (100, 90, 130, 64, 70, 150, 30),
+        2,
+        3,
+        64,
+        16,
+        torch.float32,
+        "cpu",
+        unused_fill=1e4,
+    )
+    batch["block_tables"][1:5, :4] = batch["block_tables"][0, :4]
+    backend = CpuAttentionBackend()
+    actual = _run_backend(batch, 16, None, backend)
+    expected = reference.paged_attention(**batch)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    plan = backend.prepare(_metadata_of(batch, 16)).decodes
+    assert plan.cascade.shared_prefix is not None
+    assert len(plan.cascade.shared_prefix.token_idx) == 5
+    assert plan.paged.token_idx.tolist() == [5]
