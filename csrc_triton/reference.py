@@ -114,3 +114,23 @@ def weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     float32."""
     dequantized = weight.to(torch.float32) * scale.to(torch.float32)[:, None]
     return (x.to(torch.float32) @ dequantized.T).to(x.dtype)
+
+
+def group_quantized_matmul(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
+    """Reference for :func:`csrc_triton.group_quantized_matmul`: unpack the codes,
+    dequantize in float32, round the weight to the activations' dtype, multiply in
+    float32."""
+    if codes.dtype == torch.uint8:
+        codes = torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(1)
+    groups = torch.arange(codes.shape[1], device=codes.device) // group_size
+    weight = codes.to(torch.float32) * scale.float()[:, groups]
+    if offset is not None:
+        weight = weight + offset.float()[:, groups]
+    weight = weight.to(x.dtype).to(torch.float32)
+    return (x.to(torch.float32) @ weight.T).to(x.dtype)

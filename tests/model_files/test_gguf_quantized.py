@@ -22,6 +22,7 @@ from paged_llm.layers.quantization.grouped import (  # noqa: E402
 from paged_llm.model_files import resolve_model  # noqa: E402
 from paged_llm.model_files.gguf_quantized import KEPT_QUANTIZED_TYPES, repack  # noqa: E402
 from tests.conftest import hf_greedy  # noqa: E402
+from tests.fake_gpu import FakeGpuPlatform  # noqa: E402
 from tests.model_files.test_gguf import load_converted, tiny_model, write_gguf  # noqa: E402
 
 # gguf-py quantizes these itself; for the K-quants it only dequantizes.
@@ -118,6 +119,44 @@ def test_greedy_and_logprobs_match_transformers_on_ggufs_dequantized_weights(
     for position, token in enumerate(PROMPTS[3][1:], start=1):
         actual = prompt_logprobs[position][token].logprob
         torch.testing.assert_close(actual, reference_logprobs[position - 1, token].item())
+
+
+def test_the_gpu_path_multiplies_through_the_triton_kernel_with_the_same_tokens(
+    quantized_gguf: Callable[[str, str], Path], cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the fake GPU platform every quantized projection and the LM head (Q4_1 nibbles,
+    and the Q8_0 int8 codes of the other case) go through csrc_triton's
+    group_quantized_matmul, under the interpreter, and greedy tokens equal transformers on
+    the dequantized weights."""
+    import csrc_triton
+
+    calls: list[torch.dtype] = []
+    kernel = csrc_triton.group_quantized_matmul
+
+    def counted(x: torch.Tensor, codes: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(codes.dtype)
+        return kernel(x, codes, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(csrc_triton, "group_quantized_matmul", counted)
+    for arch, type_name in (("llama", "Q4_1"), ("qwen2", "Q8_0")):
+        path = quantized_gguf(arch, type_name)
+        reference = load_converted(resolve_model(path).path)
+        expected = [hf_greedy(reference, prompt, 6) for prompt in PROMPTS[:2]]
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        with LLM(
+            path,
+            quantization="gguf",
+            device=FakeGpuPlatform(),
+            dtype="float32",
+            max_model_len=64,
+            # Small steps: the start-up's profile step and every forward run interpreted.
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+        ) as llm:
+            prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert set(calls) == {torch.uint8, torch.int8}
 
 
 @pytest.mark.slow  # two rank processes: 11 s

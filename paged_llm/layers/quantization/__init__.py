@@ -20,10 +20,9 @@ QUANTIZATION_METHODS: dict[str, Callable[[bool], QuantizedLinearMethod]] = {
     "int8": lambda triton: PerChannelLinearMethod(torch.int8, triton),
     # CUDA only: EngineConfig refuses it where linear layers do not run Triton.
     "fp8": lambda triton: PerChannelLinearMethod(torch.float8_e4m3fn, triton),
-    # Dequantizes with torch ops on every device (a Triton kernel is still to come).
-    "gguf": lambda triton: GroupQuantizedLinearMethod(),
+    "gguf": GroupQuantizedLinearMethod,
     # Pre-quantized checkpoints, unpacked into the same group-quantized layout.
-    **{name: lambda triton: GroupQuantizedLinearMethod() for name in PRE_QUANTIZED_FORMATS},
+    **dict.fromkeys(PRE_QUANTIZED_FORMATS, GroupQuantizedLinearMethod),
 }
 
 

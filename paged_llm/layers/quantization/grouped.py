@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged_llm.layers.kernels import triton_kernels
 from paged_llm.layers.quantization.base import QuantizedLinearMethod
 from paged_llm.layers.weights import CheckpointTensor, rows_held, zero_padded
 
@@ -164,13 +165,18 @@ class GroupQuantizedTensor(CheckpointTensor):
 
 class GroupQuantizedLinearMethod(QuantizedLinearMethod):
     """A layer whose checkpoint tensors (one per packed projection) arrive group-quantized,
-    each in its own bit width and group size (a GGUF file mixes types in one layer). Each
-    matmul dequantizes them, a bounded block of rows at a time, and multiplies by them; an
-    embedding dequantizes the rows it looks up.
+    each in its own bit width and group size (a GGUF file mixes types in one layer). On
+    CUDA each projection multiplies through csrc_triton's group-quantized kernel, which
+    dequantizes in the GEMM's inner loop; elsewhere (and for GPTQ act-order's per-feature
+    groups, which the kernel does not read) a matmul dequantizes a bounded block of rows at
+    a time in torch. An embedding dequantizes the rows it looks up.
     """
 
     quantizes_embeddings = True
     quantizes_at_load = False
+
+    def __init__(self, triton: bool) -> None:
+        self.triton = triton
 
     def create_weights(self, layer: Linear) -> None:
         # An empty placeholder: the weight arrives as pieces, through `load_quantized`.
@@ -206,20 +212,27 @@ class GroupQuantizedLinearMethod(QuantizedLinearMethod):
         pieces.update(ordered)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        outputs = [self._multiply(x, piece) for piece in layer.quantized_pieces.values()]
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+        return out if bias is None else out.add_(bias)
+
+    def _multiply(self, x: torch.Tensor, piece: GroupQuantizedWeight) -> torch.Tensor:
+        if self.triton and piece.group_index is None:
+            return triton_kernels().group_quantized_matmul(
+                x, piece.codes, piece.scale, piece.offset, piece.group_size
+            )
         # Rows of the weight are dequantized `DEQUANTIZED_ROWS` at a time, so an LM head
         # (49152 rows for SmolLM2) never exists in float whole: 108 MiB per call otherwise.
-        outputs = [
+        blocks = [
             F.linear(
                 x,
                 piece.rows(start, min(DEQUANTIZED_ROWS, piece.shape[0] - start)).dequantize(
                     x.dtype
                 ),
             )
-            for piece in layer.quantized_pieces.values()
             for start in range(0, piece.shape[0], DEQUANTIZED_ROWS)
         ]
-        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
-        return out if bias is None else out.add_(bias)
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-1)
 
     def embedding(self, layer: Linear, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         (table,) = layer.quantized_pieces.values()
