@@ -86,6 +86,9 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalL
         model, config.model_dir, pre_quantized_checkpoint(config.quantization, config.hf_config)
     )
     load_quantized_weights(model, gguf_tensors)
+    # NOTE: the layers hold copies of their parts; the whole repacked tensors go before the
+    # heap is trimmed (prepack_for_cpu), or their pages stay in the process (79 MiB here).
+    gguf_tensors.clear()
     process_weights_after_loading(model)
     if platform.prepacks_linear_weights:
         prepack_for_cpu(model, config.dtype)
