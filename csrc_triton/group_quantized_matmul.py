@@ -8,13 +8,7 @@ import triton.language as tl
 
 # NOTE: the interpreter's bf16 tl.dot workaround is shared with paged attention.
 from csrc_triton.paged_attention import _UPCAST_DOT_OPERANDS, _dot
-
-# Rows of x per program when the batch is small (decode) or large (prefill). tl.dot needs
-# every block dimension to be at least 16.
-_SMALL_BLOCK_M = 16
-_LARGE_BLOCK_M = 64
-_BLOCK_N = 64
-_BLOCK_K = 64
+from csrc_triton.weight_only_matmul import BLOCK_K, BLOCK_N, _activation_tile, tile_launch
 
 
 @triton.jit
@@ -49,11 +43,7 @@ def _group_quantized_matmul_kernel(
     for k_start in range(0, in_features, BLOCK_K):
         k = k_start + ks
         k_mask = k < in_features
-        x = tl.load(
-            x_ptr + rows[:, None].to(tl.int64) * stride_x_m + k[None, :] * stride_x_k,
-            mask=row_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )
+        x = _activation_tile(x_ptr, rows, k, stride_x_m, stride_x_k, row_mask, k_mask)
         w_mask = col_mask[None, :] & k_mask[:, None]
         col_base = cols[None, :].to(tl.int64)
         if NIBBLES:
@@ -123,8 +113,7 @@ def group_quantized_matmul(
     out = x.new_empty((num_rows, out_features))
     if num_rows == 0 or out_features == 0:
         return out
-    block_m = _SMALL_BLOCK_M if num_rows <= _SMALL_BLOCK_M else _LARGE_BLOCK_M
-    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(out_features, _BLOCK_N))
+    block_m, grid = tile_launch(num_rows, out_features)
     _group_quantized_matmul_kernel[grid](
         x,
         codes,
@@ -142,8 +131,8 @@ def group_quantized_matmul(
         NIBBLES=nibbles,
         HAS_OFFSET=offset is not None,
         BLOCK_M=block_m,
-        BLOCK_N=_BLOCK_N,
-        BLOCK_K=_BLOCK_K,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
         UPCAST_DOT_OPERANDS=_UPCAST_DOT_OPERANDS,
         num_warps=4,
     )

@@ -13,8 +13,24 @@ from csrc_triton.paged_attention import _UPCAST_DOT_OPERANDS, _dot
 # every block dimension to be at least 16.
 _SMALL_BLOCK_M = 16
 _LARGE_BLOCK_M = 64
-_BLOCK_N = 64
-_BLOCK_K = 64
+BLOCK_N = 64
+BLOCK_K = 64
+
+
+def tile_launch(num_rows: int, out_features: int) -> tuple[int, tuple[int, int]]:
+    """BLOCK_M and the grid of a weight-only matmul kernel over ``[num_rows, out_features]``."""
+    block_m = _SMALL_BLOCK_M if num_rows <= _SMALL_BLOCK_M else _LARGE_BLOCK_M
+    return block_m, (triton.cdiv(num_rows, block_m), triton.cdiv(out_features, BLOCK_N))
+
+
+@triton.jit
+def _activation_tile(x_ptr, rows, k, stride_x_m, stride_x_k, row_mask, k_mask):
+    """The ``[BLOCK_M, BLOCK_K]`` tile of ``x`` at ``rows`` x ``k``, zero outside."""
+    return tl.load(
+        x_ptr + rows[:, None].to(tl.int64) * stride_x_m + k[None, :] * stride_x_k,
+        mask=row_mask[:, None] & k_mask[None, :],
+        other=0.0,
+    )
 
 
 @triton.jit
@@ -45,11 +61,7 @@ def _weight_only_matmul_kernel(
     for k_start in range(0, in_features, BLOCK_K):
         k = k_start + ks
         k_mask = k < in_features
-        x = tl.load(
-            x_ptr + rows[:, None].to(tl.int64) * stride_x_m + k[None, :] * stride_x_k,
-            mask=row_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )
+        x = _activation_tile(x_ptr, rows, k, stride_x_m, stride_x_k, row_mask, k_mask)
         w = tl.load(
             w_ptr + cols[None, :].to(tl.int64) * stride_w_n + k[:, None] * stride_w_k,
             mask=col_mask[None, :] & k_mask[:, None],
@@ -99,8 +111,7 @@ def weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     out = x.new_empty((num_rows, out_features))
     if num_rows == 0 or out_features == 0:
         return out
-    block_m = _SMALL_BLOCK_M if num_rows <= _SMALL_BLOCK_M else _LARGE_BLOCK_M
-    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(out_features, _BLOCK_N))
+    block_m, grid = tile_launch(num_rows, out_features)
     _weight_only_matmul_kernel[grid](
         x,
         weight,
@@ -113,8 +124,8 @@ def weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         *weight.stride(),
         out.stride(0),
         BLOCK_M=block_m,
-        BLOCK_N=_BLOCK_N,
-        BLOCK_K=_BLOCK_K,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
         UPCAST_DOT_OPERANDS=_UPCAST_DOT_OPERANDS,
         num_warps=4,
     )
