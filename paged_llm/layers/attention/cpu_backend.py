@@ -23,7 +23,11 @@ import torch
 
 import csrc_cpu
 from paged_llm.layers.attention.base import AttentionMetadata
-from paged_llm.layers.attention.torch_backend import DecodeTokens, TorchAttentionBackend
+from paged_llm.layers.attention.torch_backend import (
+    DecodeTokens,
+    TorchAttentionBackend,
+    decode_tables,
+)
 
 
 @dataclass(slots=True)
@@ -63,13 +67,22 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _plan_decodes(self, metadata: AttentionMetadata, decodes: DecodeTokens) -> Any:
         if not self.has_kernel:
             return super()._plan_decodes(metadata, decodes)
-        tables = metadata.block_tables[torch.tensor(decodes.seqs)]
-        members, _ = self._cascade(tables, decodes.context_lens, metadata.block_size)
+        tables = decode_tables(metadata, decodes)
+        members, num_shared = self._cascade(tables, decodes.context_lens, metadata.block_size)
         member_set = set(members)
         rest = [i for i in range(len(decodes.tokens)) if i not in member_set]
+        cascade = None
+        if members:
+            # The members' own plan: all of them share the prefix already found.
+            cascade = self._gathered(
+                metadata,
+                _subset(decodes, members),
+                tables[members],
+                (list(range(len(members))), num_shared),
+            )
         return _CpuDecodes(
             paged=self._paged(metadata, _subset(decodes, rest)) if rest else None,
-            cascade=super()._plan_decodes(metadata, _subset(decodes, members)) if members else None,
+            cascade=cascade,
         )
 
     @staticmethod

@@ -96,6 +96,12 @@ class StepPlan:
     decodes: Any
 
 
+def decode_tables(metadata: AttentionMetadata, decodes: DecodeTokens) -> torch.Tensor:
+    """The block tables of the decodes' sequences, ``[decodes, max_blocks]`` int64."""
+    device = metadata.block_tables.device
+    return metadata.block_tables[torch.tensor(decodes.seqs, device=device)].long()
+
+
 def _shared_prefix_blocks(
     tables: torch.Tensor, context_lens: list[int], block_size: int
 ) -> tuple[list[int], int]:
@@ -172,14 +178,26 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _plan_decodes(self, metadata: AttentionMetadata, decodes: DecodeTokens) -> Any:
         """The per-step plan `_attend_decodes` reads: here, chunks to gather."""
+        tables = decode_tables(metadata, decodes)
+        cascade = self._cascade(tables, decodes.context_lens, metadata.block_size)
+        return self._gathered(metadata, decodes, tables, cascade)
+
+    def _gathered(
+        self,
+        metadata: AttentionMetadata,
+        decodes: DecodeTokens,
+        tables: torch.Tensor,
+        cascade: tuple[list[int], int],
+    ) -> _GatheredDecodes:
+        """Gather chunks for ``decodes`` (block tables ``tables``), the members of
+        ``cascade`` (rows, shared blocks) attending to their shared prefix together."""
         block_size = metadata.block_size
         decode_tokens, context_lens = decodes.tokens, decodes.context_lens
-        device = metadata.block_tables.device
-        tables = metadata.block_tables[torch.tensor(decodes.seqs, device=device)].long()
+        device = tables.device
         num_decodes = len(decode_tokens)
         # Blocks each decode skips because the shared prefix covers them.
         skipped = [0] * num_decodes
-        members, num_shared = self._cascade(tables, context_lens, block_size)
+        members, num_shared = cascade
         for i in members:
             skipped[i] = num_shared
         member_set = set(members)
