@@ -82,6 +82,9 @@ class EngineOptions:
     measure_perplexity: bool = False
     # vllm only: the python of the venv that benchmarks/peers/setup_vllm_cpu.sh made.
     vllm_python: str | None = None
+    # vllm only: profile the timed run with vLLM's worker profiler into this folder
+    # (benchmarks.op_profile --engine vllm).
+    profile_dir: str | None = None
 
 
 # Records with bounded fields, at least 10,000 of them: no request of a benchmark can finish
