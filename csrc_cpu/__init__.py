@@ -17,10 +17,12 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "rms_norm.cpp")]
 # NOTE: -fopenmp makes at::parallel_for run on torch's OpenMP pool (the soname matches the
 # libgomp torch loaded, so the process keeps one pool and torch.set_num_threads applies).
-_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+# -fno-trapping-math lets loops with comparisons (exp's clamp) vectorize; it changes no
+# result, only whether floating-point exceptions may be raised.
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
 
 
 @functools.cache
@@ -40,8 +42,8 @@ def load() -> bool:
     except Exception as error:  # a build can fail in many ways: compiler, headers, ninja
         warnings.warn(
             f"paged_llm's C++ CPU kernels could not be built ({_reason(error)}); decode attention "
-            "runs on torch operators instead (slower). Set CXX to a working C++17 compiler "
-            "to use them.",
+            "and RMSNorm run on torch operators instead (slower). Set CXX to a "
+            "working C++17 compiler to use them.",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -83,6 +85,23 @@ def decode_attention(
         sliding_window or 0,
         out,
     )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the rows of ``x`` ``[N, D]`` (rows contiguous), scaled by ``weight``
+    ``[D]`` in ``x``'s dtype: transformers' LlamaRMSNorm in one pass. Needs `load`."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    torch.ops.paged_llm_cpu.rms_norm(x, weight, eps, out)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)``, both in place: ``residual`` becomes the
+    sum and ``x`` its norm (shapes and dtypes as `rms_norm`'s). Needs `load`."""
+    torch.ops.paged_llm_cpu.fused_add_rms_norm(x, residual, weight, eps)
+    return x, residual
 
 
 def _reason(error: Exception) -> str:

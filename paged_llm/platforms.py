@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from paged_llm.layers.kernels import ElementwiseKernels
+
 if TYPE_CHECKING:
     from paged_llm.config import EngineConfig
 
@@ -58,7 +60,7 @@ class Platform:
     name: ClassVar[str]
     # Capabilities; a subclass declares them, callers only read them.
     decode_graph_mode: ClassVar[DecodeGraphMode] = DecodeGraphMode.NONE
-    triton_elementwise: ClassVar[bool] = False
+    elementwise_kernels: ClassVar[ElementwiseKernels] = ElementwiseKernels.TORCH
     # Quantized linear layers multiply through csrc_triton's kernels (else torch's ops).
     triton_linear: ClassVar[bool] = False
     default_attention_backend: ClassVar[str] = "torch"
@@ -140,6 +142,7 @@ class CpuPlatform(Platform):
 
     name = "cpu"
     default_attention_backend = "cpu"
+    elementwise_kernels = ElementwiseKernels.CPU
     prepacks_linear_weights = True
 
     def enter_rank_process(self, tp_size: int) -> None:
@@ -165,7 +168,7 @@ class CudaPlatform(Platform):
 
     name = "cuda"
     decode_graph_mode = DecodeGraphMode.CAPTURE
-    triton_elementwise = True
+    elementwise_kernels = ElementwiseKernels.TRITON
     triton_linear = True
     default_attention_backend = "triton"
     distributed_backend = "nccl"

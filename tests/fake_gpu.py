@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from paged_llm.layers.kernels import ElementwiseKernels
 from paged_llm.platforms import CudaPlatform, DecodeGraphMode, MemorySnapshot
 
 MIB = 2**20
@@ -19,7 +20,7 @@ MIB = 2**20
 class FakeGpuPlatform(CudaPlatform):
     name = "fake-gpu"
     decode_graph_mode = DecodeGraphMode.STATIC_EAGER
-    triton_elementwise = False
+    elementwise_kernels = ElementwiseKernels.TORCH
 
     def __init__(
         self,

@@ -71,7 +71,7 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalL
         device=platform.device,
         max_position=config.max_model_len,
         dtype=config.dtype,
-        triton_elementwise=platform.triton_elementwise,
+        elementwise=platform.elementwise_kernels.usable(),
         tp=tp,
         quant_method=method,
         embedding_quant_method=vocab_method("model.embed_tokens.weight"),

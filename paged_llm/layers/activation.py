@@ -6,22 +6,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paged_llm.layers.kernels import triton_kernels
+from paged_llm.layers.kernels import ElementwiseKernels, triton_kernels
 
 
 class SiluAndMul(nn.Module):
     """``silu(gate) * up`` for an input ``[T, 2 * I]`` holding ``[gate | up]``.
 
-    With ``use_triton`` (the platform's choice) this is one Triton kernel: one read of the
-    input, one write of the output.
+    With Triton kernels (the platform's choice) this is one kernel: one read of the input,
+    one write of the output. csrc_cpu has none (see its rms_norm.cpp).
     """
 
-    def __init__(self, use_triton: bool = False) -> None:
+    def __init__(self, kernels: ElementwiseKernels = ElementwiseKernels.TORCH) -> None:
         super().__init__()
-        self.use_triton = use_triton
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_triton:
+        if self.kernels is ElementwiseKernels.TRITON:
             return triton_kernels().silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         # In place on silu's fresh output: one large temporary instead of two (measured

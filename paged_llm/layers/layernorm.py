@@ -5,25 +5,36 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paged_llm.layers.kernels import triton_kernels
+import csrc_cpu
+from paged_llm.layers.kernels import ElementwiseKernels, triton_kernels
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, use_triton: bool = False) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float,
+        kernels: ElementwiseKernels = ElementwiseKernels.TORCH,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.use_triton = use_triton
+        self.kernels = kernels
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``.
 
-        With ``use_triton`` (the platform's choice) this is one Triton kernel, which updates
-        ``residual`` in place.
+        With Triton or CPU kernels (the platform's choice) this is one kernel, which updates
+        ``x`` and ``residual`` in place. The CPU kernel takes rows ``[T, hidden]``; the
+        per-head norms of Qwen3 (``[T, H, D]`` views) stay on torch.
         """
-        if self.use_triton:
+        if self.kernels is ElementwiseKernels.CPU and x.dim() == 2:
+            if residual is not None:
+                return csrc_cpu.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return csrc_cpu.rms_norm(x, self.weight, self.eps)
+        if self.kernels is ElementwiseKernels.TRITON:
             kernels = triton_kernels()
             if residual is not None:
                 return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paged_llm.layers.kernels import triton_kernels
+from paged_llm.layers.kernels import ElementwiseKernels, triton_kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -93,12 +93,12 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         params: dict[str, Any],
         device: torch.device | str,
-        use_triton: bool = False,
+        kernels: ElementwiseKernels = ElementwiseKernels.TORCH,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.cos_sin_cache = compute_cos_sin_cache(head_dim, max_position, params, device)
-        self.use_triton = use_triton
+        self.use_triton = kernels is ElementwiseKernels.TRITON
 
     def step_rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRotation:
         """The rotation of a forward pass over tokens at ``positions``, activations in ``dtype``."""
@@ -113,7 +113,7 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """query ``[T, H, D]``, key ``[T, Hkv, D]``; returns the rotated pair.
 
-        With ``use_triton`` a Triton kernel rotates both in place, through whatever views
+        With Triton kernels one of them rotates both in place, through whatever views
         they are.
         """
         if rotation.cos is None or rotation.sin is None:

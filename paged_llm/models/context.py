@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paged_llm.distributed.group import TensorParallelGroup
+from paged_llm.layers.kernels import ElementwiseKernels
 from paged_llm.layers.quantization import QuantizedLinearMethod
 
 
@@ -18,8 +19,8 @@ class ModelContext:
     device: torch.device
     max_position: int
     dtype: torch.dtype = torch.float32
-    # The platform's choice: Triton kernels for RMSNorm, rotary and SiLU-and-mul.
-    triton_elementwise: bool = False
+    # The platform's choice of kernels for RMSNorm, rotary and SiLU-and-mul, as usable here.
+    elementwise: ElementwiseKernels = ElementwiseKernels.TORCH
     tp: TensorParallelGroup = field(default_factory=TensorParallelGroup)
     # The decoder layers' linear weights; None: float.
     quant_method: QuantizedLinearMethod | None = None

@@ -72,9 +72,7 @@ class LlamaAttention(nn.Module):
             context.quant_method,
         )
         self.rotary = rotary
-        norm = functools.partial(
-            RMSNorm, self.head_dim, config.rms_norm_eps, context.triton_elementwise
-        )
+        norm = functools.partial(RMSNorm, self.head_dim, config.rms_norm_eps, context.elementwise)
         self.q_norm = norm() if qk_norm else None
         self.k_norm = norm() if qk_norm else None
         self.attn = Attention(
@@ -111,7 +109,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(
             size, config.hidden_size, bias, context.tp, context.quant_method
         )
-        self.act = SiluAndMul(context.triton_elementwise)
+        self.act = SiluAndMul(context.elementwise)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -128,7 +126,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         norm = functools.partial(
-            RMSNorm, config.hidden_size, config.rms_norm_eps, context.triton_elementwise
+            RMSNorm, config.hidden_size, config.rms_norm_eps, context.elementwise
         )
         self.input_layernorm = norm()
         self.self_attn = LlamaAttention(config, context, layer_index, rotary, **attn_flags)
@@ -174,7 +172,7 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, context, i, rotary, **attn_flags)
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, context.triton_elementwise)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, context.elementwise)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -206,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
             context.max_position,
             rope_parameters(config),
             context.device,
-            context.triton_elementwise,
+            context.elementwise,
         )
         self.model = LlamaModel(config, context, self.rotary, attn_flags)
         self.lm_head = ParallelLMHead(
