@@ -157,11 +157,13 @@ class Linear(nn.Linear):
         if self.onednn_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, bias, "none", [], "")
         if self.float32_gemm and x.shape[0] >= _FLOAT32_GEMM_MIN_ROWS:
-            return _float32_gemm(x, self.weight, bias)
+            return multiply_as_float32(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
 
-def _float32_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def multiply_as_float32(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """``x @ weight.T + bias`` in float32 GEMMs over `_FLOAT32_GEMM_CHUNK_ROWS`-row
     float32 copies of the weight, returned in ``x``'s dtype. A bfloat16 product is exact in
     float32 and torch's bfloat16 GEMM accumulates in float32 too, so only the order of the
