@@ -136,12 +136,16 @@ def test_fp8_cache_matches_reference(cache_dtype: torch.dtype) -> None:
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["f32", "bf16"]
+)
 @pytest.mark.parametrize("chunk_bytes", [1, 2**30], ids=["one-per-chunk", "one-chunk"])
 def test_decodes_sharing_a_prefix_attend_to_it_once(
-    chunk_bytes: int, monkeypatch: pytest.MonkeyPatch
+    chunk_bytes: int, dtype: torch.dtype, tolerance: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Five decodes whose tables start with the same 4 blocks (a prefix-cache hit), one
-    that does not, and a prefill: the shared prefix is gathered once and merged."""
+    that does not, and a prefill: the shared prefix is gathered once and merged (in
+    float32, written back in the query's dtype: a bfloat16 cascade once failed there)."""
     monkeypatch.setattr(torch_backend, "_CHUNK_GATHER_BYTES", chunk_bytes)
     torch.manual_seed(3)
     block_size, shared_blocks = 16, 4
@@ -152,7 +156,7 @@ def test_decodes_sharing_a_prefix_attend_to_it_once(
         3,
         64,
         block_size,
-        torch.float32,
+        dtype,
         "cpu",
         unused_fill=1e4,
     )
@@ -161,7 +165,8 @@ def test_decodes_sharing_a_prefix_attend_to_it_once(
     backend = TorchAttentionBackend()
     actual = _run_backend(batch, block_size, None, backend)
     expected = reference.paged_attention(**batch)
-    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    assert actual.dtype == dtype
+    torch.testing.assert_close(actual, expected, atol=tolerance, rtol=tolerance)
     shared_prefix = backend.prepare(_metadata_of(batch, block_size)).decodes.shared_prefix
     assert shared_prefix is not None
     assert shared_prefix.block_ids.tolist() == tables[0, :shared_blocks].tolist()

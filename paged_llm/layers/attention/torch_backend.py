@@ -404,7 +404,8 @@ class TorchAttentionBackend(AttentionBackend):
                 assert shared is not None
                 part = _partial_attention(queries, keys, values, mask, scale)
                 merged = _merge(part, PartialAttention(*(t[:, chunk.shared_rows] for t in shared)))
-                output = merged.output / merged.total
+                # NOTE: partial results are float32; the rows of out are the query's dtype.
+                output = (merged.output / merged.total).to(query.dtype)
             out[chunk.token_idx] = output.transpose(0, 1).reshape(-1, query.shape[1], head_dim)
 
 
