@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from paged_llm.layers.attention.base import AttentionBackend, AttentionMetadata
+from paged_llm.layers.linear import onednn_linear_available
 
 # A decode group admits sequences down to this fraction of its longest context, which
 # bounds the padded (wasted) part of its gather at 1 - fraction.
@@ -132,9 +133,10 @@ class TorchAttentionBackend(AttentionBackend):
         self.batch_invariant = False
         # Until setup() tells the real size: float32 keys and values of one 128-dim head.
         self._kv_bytes_per_token = 2 * 128 * 4
-        # NOTE: gathers land in this reused buffer: a fresh tensor of tens of megabytes per
-        # layer would be mmap'd and page-faulted in every time (4x slower, measured).
-        self._workspace = torch.empty(0)
+        # NOTE: gathers land in these reused buffers, one per dtype gathered into: a fresh
+        # tensor of tens of megabytes per layer would be mmap'd and page-faulted in every
+        # time (4x slower, measured).
+        self._workspaces: dict[torch.dtype, torch.Tensor] = {}
         # An fp8 cache's blocks are gathered here first, then converted into the workspace.
         self._fp8_workspace = torch.empty(0)
 
@@ -303,16 +305,15 @@ class TorchAttentionBackend(AttentionBackend):
         rows = (heads[:, None] + block_ids.reshape(1, -1)).reshape(-1)
         row_size = block_size * head_dim
         needed = 2 * rows.numel() * row_size
-        if self._workspace.numel() < needed or self._workspace.dtype != dtype:
-            self._workspace = key_cache.new_empty(needed, dtype=dtype)
+        workspace = self._workspaces.get(dtype)
+        if workspace is None or workspace.numel() < needed:
+            workspace = self._workspaces[dtype] = key_cache.new_empty(needed, dtype=dtype)
         converts = key_cache.dtype != dtype
         if converts and self._fp8_workspace.numel() < needed // 2:
             self._fp8_workspace = key_cache.new_empty(needed // 2)
         shape = (num_kv_heads, *block_ids.shape[:-1], block_ids.shape[-1] * block_size, head_dim)
         gathered = []
-        for part, cache in zip(
-            self._workspace[:needed].chunk(2), (key_cache, value_cache), strict=True
-        ):
+        for part, cache in zip(workspace[:needed].chunk(2), (key_cache, value_cache), strict=True):
             out = part.view(rows.numel(), row_size)
             if converts:
                 raw = self._fp8_workspace[: needed // 2].view(rows.numel(), row_size)
@@ -377,26 +378,25 @@ class TorchAttentionBackend(AttentionBackend):
         ``decodes`` is what `_plan_decodes` made."""
         plan: _GatheredDecodes = decodes
         num_kv_heads, head_dim = key_cache.shape[0], key_cache.shape[3]
+        dtype = _matmul_dtype(query)
         shared = None
         if plan.shared_prefix is not None:
             assert sliding_window is None, "cascade attention with a sliding window"
-            keys, values = self._gather(
-                key_cache, value_cache, plan.shared_prefix.block_ids, query.dtype
-            )
-            queries = _by_kv_head(query[plan.shared_prefix.token_idx], num_kv_heads)
+            keys, values = self._gather(key_cache, value_cache, plan.shared_prefix.block_ids, dtype)
+            queries = _by_kv_head(query[plan.shared_prefix.token_idx].to(dtype), num_kv_heads)
             # One matmul for every member's queries against the one copy of the prefix.
             flat = queries.reshape(num_kv_heads, -1, head_dim)
             partial = _partial_attention(flat, keys, values, None, scale)
             shared = PartialAttention(*(t.view(*queries.shape[:3], -1) for t in partial))
         for chunk in plan.chunks:
-            keys, values = self._gather(key_cache, value_cache, chunk.block_tables, query.dtype)
+            keys, values = self._gather(key_cache, value_cache, chunk.block_tables, dtype)
             valid = chunk.valid
             if sliding_window is not None:
                 positions = torch.arange(valid.shape[1], device=valid.device)
                 valid = valid & (
                     positions[None, :] > chunk.context_lens[:, None] - 1 - sliding_window
                 )
-            queries = _by_kv_head(query[chunk.token_idx], num_kv_heads)
+            queries = _by_kv_head(query[chunk.token_idx].to(dtype), num_kv_heads)
             mask = valid[None, :, None, :]
             if chunk.shared_rows is None:
                 output = _attention(queries, keys, values, mask, scale)
@@ -404,9 +404,12 @@ class TorchAttentionBackend(AttentionBackend):
                 assert shared is not None
                 part = _partial_attention(queries, keys, values, mask, scale)
                 merged = _merge(part, PartialAttention(*(t[:, chunk.shared_rows] for t in shared)))
-                # NOTE: partial results are float32; the rows of out are the query's dtype.
-                output = (merged.output / merged.total).to(query.dtype)
-            out[chunk.token_idx] = output.transpose(0, 1).reshape(-1, query.shape[1], head_dim)
+                output = merged.output / merged.total
+            # NOTE: the merge is float32, and so are the matmuls where `_matmul_dtype` says;
+            # the rows of out are the query's dtype.
+            out[chunk.token_idx] = (
+                output.transpose(0, 1).reshape(-1, query.shape[1], head_dim).to(query.dtype)
+            )
 
 
 def _quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -435,6 +438,16 @@ def _by_kv_head(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """``[B, H, D]`` queries as ``[Hkv, B, G, D]``: the G query heads of each KV head."""
     num_seqs, num_heads, head_dim = query.shape
     return query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
+
+
+def _matmul_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype decode attention's gathers and matmuls run in: the query's, except 16-bit
+    queries on a CPU without 16-bit GEMMs (AVX2: no oneDNN bfloat16), where torch's
+    matmul runs a generic loop; there float32, as the linear layers do (one layer of 64
+    bfloat16 decodes over a shared 448-token prefix: 39.5 ms on a 2-core AVX2 EPYC)."""
+    if query.device.type != "cpu" or query.dtype == torch.float32:
+        return query.dtype
+    return query.dtype if onednn_linear_available(query.dtype) else torch.float32
 
 
 def _attention(
