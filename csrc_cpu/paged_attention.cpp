@@ -20,7 +20,6 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -30,7 +29,6 @@ namespace {
 using paged_llm_cpu::dot;
 using paged_llm_cpu::exp_clamped;
 using paged_llm_cpu::sum;
-
 
 // An fp8 byte's float value, from a table built once (cheaper than decoding bits per
 // element in the inner loop).
@@ -88,7 +86,9 @@ inline void for_each_row(const C* head, const C* also_prefetch, const int32_t* t
   for (int64_t pos = first; pos < end; ++block, offset = 0) {
     const int64_t stop = std::min(end, pos + block_size - offset);
     if (stop < end) prefetch(head + table[block + 1] * block_stride, block_bytes);
-    if (also_prefetch != nullptr) prefetch(also_prefetch + table[block] * block_stride, block_bytes);
+    if (also_prefetch != nullptr) {
+      prefetch(also_prefetch + table[block] * block_stride, block_bytes);
+    }
     const C* rows = head + table[block] * block_stride;
     for (; pos < stop; ++pos, ++offset) visit(rows + offset * head_dim, pos - first);
   }
@@ -171,7 +171,8 @@ void decode_attention_impl(
         for (int64_t j = 0; j < visible; ++j) row[j] = exp_clamped(row[j] - row_maximum);
         total[g] = sum(row, visible);
       }
-      for_each_row(v_head, static_cast<const C*>(nullptr), table, block_stride, block_size, head_dim, first, context_len,
+      for_each_row(v_head, static_cast<const C*>(nullptr), table, block_stride, block_size,
+          head_dim, first, context_len,
           [&](const C* v_row, int64_t j) {
             const float* value = load_row(v_row, row_buffer.data(), head_dim);
             for (int64_t g = 0; g < group; ++g) {

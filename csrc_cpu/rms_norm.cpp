@@ -28,9 +28,7 @@ namespace {
 // the calling thread, as torch's own element-wise operators do, without waking the others.
 constexpr int64_t kElementsPerTask = 32768;
 
-using paged_llm_cpu::kLanes;
-using paged_llm_cpu::sum_lanes;
-
+using paged_llm_cpu::dot;
 
 // `value` rounded to T, as a float: where torch's chain stores an intermediate in T.
 template <typename T>
@@ -42,13 +40,7 @@ inline float round_to(float value) {
 // LlamaRMSNorm: float32 math, cast, then the scale in T).
 template <typename T>
 void normalize_row(const float* h, const T* weight, float eps, int64_t size, T* out) {
-  float lanes[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= size; i += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) lanes[l] += h[i + l] * h[i + l];
-  }
-  float squares = sum_lanes(lanes);
-  for (; i < size; ++i) squares += h[i] * h[i];
+  const float squares = dot(h, h, size);
   const float inverse_rms = 1.0f / std::sqrt(squares / static_cast<float>(size) + eps);
   for (int64_t d = 0; d < size; ++d) {
     out[d] = static_cast<T>(static_cast<float>(weight[d]) * round_to<T>(h[d] * inverse_rms));

@@ -81,6 +81,14 @@ def test_matmul_params_counts_linear_weights(tiny_model_dir: Callable[[str], Pat
     assert params.lm_head == 49152 * hidden
 
 
+# vLLM's CPU build lives in its own venv, which no test installs.
+needs_vllm_venv = pytest.mark.skipif(
+    not default_vllm_python().is_file(),
+    reason="no vLLM venv: run bash benchmarks/peers/setup_vllm_cpu.sh, or set "
+    "PAGED_LLM_VLLM_PYTHON to a vLLM venv's python",
+)
+
+
 def run_module(module: str, *args: str, timeout: float = 300) -> None:
     completed = subprocess.run(
         [sys.executable, "-m", module, "--threads", str(THREADS), *args],
@@ -387,11 +395,7 @@ def test_op_profile_reads_back_a_profiler_table_as_torch_wrote_it() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not default_vllm_python().is_file(),
-    reason="no vLLM venv: run bash benchmarks/peers/setup_vllm_cpu.sh, or set "
-    "PAGED_LLM_VLLM_PYTHON to a vLLM venv's python",
-)
+@needs_vllm_venv
 def test_op_profile_profiles_vllm_cpu_on_the_same_requests(tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
     run_module(
@@ -531,11 +535,7 @@ def test_the_vllm_engine_refuses_to_run_without_a_vllm_python(
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not default_vllm_python().is_file(),
-    reason="no vLLM venv: run bash benchmarks/peers/setup_vllm_cpu.sh, or set "
-    "PAGED_LLM_VLLM_PYTHON to a vLLM venv's python",
-)
+@needs_vllm_venv
 def test_throughput_runs_vllm_cpu_as_a_peer_with_the_same_greedy_tokens(tmp_path: Path) -> None:
     out = tmp_path / "throughput.json"
     # The embedded SmolLM2: vLLM's CPU attention needs a real head size, not the tiny

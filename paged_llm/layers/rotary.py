@@ -98,11 +98,11 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.cos_sin_cache = compute_cos_sin_cache(head_dim, max_position, params, device)
-        self.use_triton = kernels is ElementwiseKernels.TRITON
+        self.kernels = kernels
 
     def step_rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRotation:
         """The rotation of a forward pass over tokens at ``positions``, activations in ``dtype``."""
-        if self.use_triton:
+        if self.kernels is ElementwiseKernels.TRITON:
             return StepRotation(positions, None, None)
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         # transformers rounds cos/sin to the activations' dtype and rotates in it.

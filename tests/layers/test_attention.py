@@ -108,6 +108,34 @@ def test_torch_backend_matches_reference(
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("has_16bit_gemm", [True, False])
+def test_bfloat16_decodes_multiply_in_float32_where_the_cpu_has_no_bfloat16_gemm(
+    has_16bit_gemm: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's bfloat16 matmul is a generic loop without bfloat16 GEMM instructions, so
+    decodes gather and multiply in float32 there, and still return bfloat16 rows."""
+    monkeypatch.setattr(torch_backend, "onednn_linear_available", lambda dtype: has_16bit_gemm)
+    torch.manual_seed(5)
+    batch = make_batch(
+        (1, 1, 1, 1, 1),
+        (100, 90, 130, 64, 70),
+        2,
+        3,
+        64,
+        16,
+        torch.bfloat16,
+        "cpu",
+        unused_fill=1e4,
+    )
+    batch["block_tables"][1:4, :4] = batch["block_tables"][0, :4]  # a cascade too
+    backend = TorchAttentionBackend()
+    actual = _run_backend(batch, 16, None, backend)
+    assert actual.dtype == torch.bfloat16
+    assert set(backend._workspaces) == {torch.bfloat16 if has_16bit_gemm else torch.float32}
+    expected = reference.paged_attention(**batch)
+    torch.testing.assert_close(actual, expected, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_fp8_cache_matches_reference(cache_dtype: torch.dtype) -> None:
     """An fp8 cache with scales, in a batch of decodes (five sharing a prefix, attended
