@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "convert.h"
 #include "vector_math.h"
 
 namespace {
@@ -29,12 +30,9 @@ namespace {
 constexpr int64_t kElementsPerTask = 32768;
 
 using paged_llm_cpu::dot;
-
-// `value` rounded to T, as a float: where torch's chain stores an intermediate in T.
-template <typename T>
-inline float round_to(float value) {
-  return static_cast<float>(static_cast<T>(value));
-}
+using paged_llm_cpu::load;
+using paged_llm_cpu::round_to;
+using paged_llm_cpu::store;
 
 // out = weight * to_T(h / sqrt(mean(h^2) + eps)) for the float32 row h (transformers'
 // LlamaRMSNorm: float32 math, cast, then the scale in T).
@@ -43,7 +41,7 @@ void normalize_row(const float* h, const T* weight, float eps, int64_t size, T* 
   const float squares = dot(h, h, size);
   const float inverse_rms = 1.0f / std::sqrt(squares / static_cast<float>(size) + eps);
   for (int64_t d = 0; d < size; ++d) {
-    out[d] = static_cast<T>(static_cast<float>(weight[d]) * round_to<T>(h[d] * inverse_rms));
+    store(out + d, load(weight + d) * round_to<T>(h[d] * inverse_rms));
   }
 }
 
@@ -70,13 +68,12 @@ void rms_norm_impl(const at::Tensor& x, at::Tensor* residual, const at::Tensor& 
       if (residual_data != nullptr) {
         T* residual_row = residual_data + row * residual_stride;
         for (int64_t d = 0; d < size; ++d) {
-          const T total = static_cast<T>(
-              static_cast<float>(x_row[d]) + static_cast<float>(residual_row[d]));
-          residual_row[d] = total;
-          h[d] = static_cast<float>(total);
+          const float total = round_to<T>(load(x_row + d) + load(residual_row + d));
+          store(residual_row + d, total);
+          h[d] = total;
         }
       } else {
-        for (int64_t d = 0; d < size; ++d) h[d] = static_cast<float>(x_row[d]);
+        for (int64_t d = 0; d < size; ++d) h[d] = load(x_row + d);
       }
       normalize_row(h.data(), weight_data, epsilon, size, out_data + row * out_stride);
     }
