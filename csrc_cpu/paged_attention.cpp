@@ -14,7 +14,12 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "convert.h"
 #include "vector_math.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <array>
@@ -51,7 +56,7 @@ const float* load_row(const T* row, float* buffer, int64_t head_dim) {
   if constexpr (std::is_same_v<T, float>) {
     return row;
   } else if constexpr (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>) {
-    for (int64_t d = 0; d < head_dim; ++d) buffer[d] = static_cast<float>(row[d]);
+    for (int64_t d = 0; d < head_dim; ++d) buffer[d] = paged_llm_cpu::load(row + d);
     return buffer;
   } else {
     const auto& table = fp8_table<T>();
@@ -94,6 +99,204 @@ inline void for_each_row(const C* head, const C* also_prefetch, const int32_t* t
   }
 }
 
+#if defined(__AVX512F__)
+// AVX-512 forms of the two passes over a KV head's rows, for head sizes of whole 16-lane
+// vectors and 32/16-bit caches. They add in the generic loops' order (each score a 16-lane
+// dot product then sum_lanes' halvings; each output element a running sum over the rows),
+// so they give the generic code's results; what changes is that nothing is reduced one
+// lane at a time and no accumulator goes through memory. The generic pass 1 spent its
+// time on one dependent chain a score (a dot product, then its 4-level reduction) and
+// pass 2 on loading and storing accumulators: one layer of 64 decodes x 256 tokens took
+// 2.07 ms on a 2-core Zen 5, at 12 GB/s where the caches deliver 58-170.
+namespace avx512 {
+
+inline __m512 load16(const float* row) { return _mm512_loadu_ps(row); }
+
+inline __m512 load16(const c10::BFloat16* row) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+inline __m512 load16(const c10::Half* row) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+}
+
+template <typename C>
+constexpr bool kSupported = std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16>
+    || std::is_same_v<C, c10::Half>;
+
+// Lane r of the result is sum_lanes(v[r]), added as sum_lanes adds (lane l with l + 8,
+// then l + 4, l + 2, l + 1), four levels of shuffles shared by all 16 vectors.
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 half[8];
+  for (int i = 0; i < 8; ++i) {  // [r=2i lanes 0-7 | r=2i+1 lanes 0-7]: l + (l + 8)
+    half[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+        _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  }
+  __m512 quarter[4];
+  for (int i = 0; i < 4; ++i) {  // 128-bit chunk k holds r = 4i + k: l + (l + 4)
+    quarter[i] = _mm512_add_ps(_mm512_shuffle_f32x4(half[2 * i], half[2 * i + 1], 0x88),
+        _mm512_shuffle_f32x4(half[2 * i], half[2 * i + 1], 0xDD));
+  }
+  __m512 eighth[2];
+  for (int i = 0; i < 2; ++i) {  // chunk k: r = 8i + k (lanes 0-1), 8i + 4 + k (2-3)
+    eighth[i] = _mm512_add_ps(_mm512_shuffle_ps(quarter[2 * i], quarter[2 * i + 1], 0x44),
+        _mm512_shuffle_ps(quarter[2 * i], quarter[2 * i + 1], 0xEE));
+  }
+  // chunk k: r = k, 4 + k, 8 + k, 12 + k; lane 4k + m holds r = k + 4m.
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(eighth[0], eighth[1], 0x88),
+      _mm512_shuffle_ps(eighth[0], eighth[1], 0xDD));
+  const __m512i order =
+      _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, sums);
+}
+
+// Scores of `count` (<= 16) keys at positions [first, first + count) for each of the G
+// query heads, into scores[g * visible + j], and each head's running maximum.
+template <int kChunks, typename C>
+void score_keys(const float* queries, int64_t group, const C* const* keys, int64_t count,
+    float scale, int64_t first, int64_t visible, float* scores, float* maximum) {
+  const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
+  for (int64_t g = 0; g < group; ++g) {
+    __m512 query[kChunks];
+    for (int c = 0; c < kChunks; ++c) query[c] = _mm512_loadu_ps(queries + g * kChunks * 16 + c * 16);
+    __m512 lanes[16];
+    for (int r = 0; r < 16; ++r) {
+      const C* key = keys[r < count ? r : count - 1];
+      lanes[r] = _mm512_mul_ps(query[0], load16(key));
+      for (int c = 1; c < kChunks; ++c) {
+        lanes[r] = _mm512_fmadd_ps(query[c], load16(key + c * 16), lanes[r]);
+      }
+    }
+    const __m512 score = _mm512_mul_ps(sum_lanes16(lanes), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(scores + g * visible + first, valid, score);
+    maximum[g] = std::max(maximum[g],
+        _mm512_mask_reduce_max_ps(valid, score));
+  }
+}
+
+// accumulators[g] = sum over the rows j of weights[g * visible + j] * value_j, for the
+// heads [head, head + kHeads): one pass over the rows with the sums held in registers.
+template <int kChunks, int kHeads, typename C, typename Rows>
+void weigh_values(const float* weights, int64_t head, int64_t visible, Rows&& for_each_value,
+    float* accumulators) {
+  __m512 sums[kHeads][kChunks];
+  for (int h = 0; h < kHeads; ++h) {
+    for (int c = 0; c < kChunks; ++c) sums[h][c] = _mm512_setzero_ps();
+  }
+  for_each_value([&](const C* row, int64_t j) {
+    __m512 value[kChunks];
+    for (int c = 0; c < kChunks; ++c) value[c] = load16(row + c * 16);
+    for (int h = 0; h < kHeads; ++h) {
+      const __m512 weight = _mm512_set1_ps(weights[(head + h) * visible + j]);
+      for (int c = 0; c < kChunks; ++c) sums[h][c] = _mm512_fmadd_ps(weight, value[c], sums[h][c]);
+    }
+  });
+  for (int h = 0; h < kHeads; ++h) {
+    for (int c = 0; c < kChunks; ++c) {
+      _mm512_storeu_ps(accumulators + ((head + h) * kChunks + c) * 16, sums[h][c]);
+    }
+  }
+}
+
+// Heads in tiles of up to 16 accumulator registers (4 heads of 64, 2 of 128).
+template <int kChunks, typename C, typename Rows>
+void weigh_all_values(const float* weights, int64_t group, int64_t visible, Rows&& for_each_value,
+    float* accumulators) {
+  constexpr int kTile = 16 / kChunks;
+  int64_t head = 0;
+  for (; head + kTile <= group; head += kTile) {
+    weigh_values<kChunks, kTile, C>(weights, head, visible, for_each_value, accumulators);
+  }
+  for (; head < group; ++head) {
+    weigh_values<kChunks, 1, C>(weights, head, visible, for_each_value, accumulators);
+  }
+}
+
+// Pass 1 over all of a KV head's keys, 16 at a time.
+template <int kChunks, typename C, typename ForEachKey>
+void score_all_keys(ForEachKey&& for_each_key, const float* queries, int64_t group, float scale,
+    int64_t visible, float* scores, float* maximum) {
+  const C* keys[16];
+  int64_t count = 0;
+  int64_t first = 0;
+  for_each_key([&](const C* key, int64_t) {
+    keys[count++] = key;
+    if (count == 16) {
+      score_keys<kChunks>(queries, group, keys, count, scale, first, visible, scores, maximum);
+      first += count;
+      count = 0;
+    }
+  });
+  if (count > 0) {
+    score_keys<kChunks>(queries, group, keys, count, scale, first, visible, scores, maximum);
+  }
+}
+
+}  // namespace avx512
+#endif
+
+// 16-lane vectors in a head where the AVX-512 passes run (4 or 8), else 0.
+template <typename C>
+int64_t vector_chunks_for(int64_t head_dim) {
+#if defined(__AVX512F__)
+  if constexpr (avx512::kSupported<C>) {
+    if (head_dim == 64 || head_dim == 128) return head_dim / 16;
+  }
+#endif
+  return 0;
+}
+
+// Pass 1: scores[g * visible + j] = scale * q_g . k_j, and each head's maximum.
+template <typename C, typename ForEachKey>
+void score_keys(int64_t vector_chunks, ForEachKey&& for_each_key, const float* queries,
+    int64_t group, int64_t head_dim, float scale, int64_t visible, float* scores,
+    float* maximum, float* row_buffer) {
+#if defined(__AVX512F__)
+  if constexpr (avx512::kSupported<C>) {
+    if (vector_chunks == 4) {
+      return avx512::score_all_keys<4, C>(for_each_key, queries, group, scale, visible, scores,
+          maximum);
+    }
+    if (vector_chunks == 8) {
+      return avx512::score_all_keys<8, C>(for_each_key, queries, group, scale, visible, scores,
+          maximum);
+    }
+  }
+#endif
+  for_each_key([&](const C* k_row, int64_t j) {
+    const float* key = load_row(k_row, row_buffer, head_dim);
+    for (int64_t g = 0; g < group; ++g) {
+      const float score = dot(queries + g * head_dim, key, head_dim) * scale;
+      scores[g * visible + j] = score;
+      maximum[g] = std::max(maximum[g], score);
+    }
+  });
+}
+
+// The value pass: accumulators[g] = sum over j of weights[g * visible + j] * v_j.
+template <typename C, typename ForEachValue>
+void weigh_values(int64_t vector_chunks, ForEachValue&& for_each_value, const float* weights,
+    int64_t group, int64_t head_dim, int64_t visible, float* accumulators, float* row_buffer) {
+#if defined(__AVX512F__)
+  if constexpr (avx512::kSupported<C>) {
+    if (vector_chunks == 4) {
+      return avx512::weigh_all_values<4, C>(weights, group, visible, for_each_value, accumulators);
+    }
+    if (vector_chunks == 8) {
+      return avx512::weigh_all_values<8, C>(weights, group, visible, for_each_value, accumulators);
+    }
+  }
+#endif
+  std::fill(accumulators, accumulators + group * head_dim, 0.0f);
+  for_each_value([&](const C* v_row, int64_t j) {
+    const float* value = load_row(v_row, row_buffer, head_dim);
+    for (int64_t g = 0; g < group; ++g) {
+      axpy(weights[g * visible + j], value, accumulators + g * head_dim, head_dim);
+    }
+  });
+}
+
 template <typename Q, typename C>
 void decode_attention_impl(
     const at::Tensor& query,
@@ -127,6 +330,7 @@ void decode_attention_impl(
   const int64_t* seqs = seq_idx.const_data_ptr<int64_t>();
   const int64_t* lens = context_lens.const_data_ptr<int64_t>();
   const float softmax_scale = static_cast<float>(scale);
+  const int64_t vector_chunks = vector_chunks_for<C>(head_dim);
 
   // A task's work is its context length; a few per thread even out the lengths.
   at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -148,43 +352,35 @@ void decode_attention_impl(
       const C* k_head = k_data + kv_head * head_stride;
       const C* v_head = v_data + kv_head * head_stride;
       const Q* q_row = q_data + token * q_token_stride + kv_head * group * head_dim;
-      for (int64_t i = 0; i < group * head_dim; ++i) queries[i] = static_cast<float>(q_row[i]);
+      for (int64_t i = 0; i < group * head_dim; ++i) queries[i] = paged_llm_cpu::load(q_row + i);
       scores.resize(group * visible);
 
+      const auto for_each_key = [&](auto&& visit) {
+        for_each_row(k_head, v_head, table, block_stride, block_size, head_dim, first,
+            context_len, visit);
+      };
+      const auto for_each_value = [&](auto&& visit) {
+        for_each_row(v_head, static_cast<const C*>(nullptr), table, block_stride, block_size,
+            head_dim, first, context_len, visit);
+      };
       // Pass 1: scores [G, visible] and their maximum per head.
       std::fill(maximum.begin(), maximum.end(), -std::numeric_limits<float>::infinity());
-      for_each_row(k_head, v_head, table, block_stride, block_size, head_dim, first, context_len,
-          [&](const C* k_row, int64_t j) {
-            const float* key = load_row(k_row, row_buffer.data(), head_dim);
-            for (int64_t g = 0; g < group; ++g) {
-              const float score =
-                  dot(queries.data() + g * head_dim, key, head_dim) * softmax_scale;
-              scores[g * visible + j] = score;
-              maximum[g] = std::max(maximum[g], score);
-            }
-          });
+      score_keys<C>(vector_chunks, for_each_key, queries.data(), group, head_dim, softmax_scale,
+          visible, scores.data(), maximum.data(), row_buffer.data());
       // Pass 2: exp(score - max) in place, the weighted sum of the values, the total.
-      std::fill(accumulators.begin(), accumulators.end(), 0.0f);
       for (int64_t g = 0; g < group; ++g) {
         float* row = scores.data() + g * visible;
         const float row_maximum = maximum[g];
         for (int64_t j = 0; j < visible; ++j) row[j] = exp_clamped(row[j] - row_maximum);
         total[g] = sum(row, visible);
       }
-      for_each_row(v_head, static_cast<const C*>(nullptr), table, block_stride, block_size,
-          head_dim, first, context_len,
-          [&](const C* v_row, int64_t j) {
-            const float* value = load_row(v_row, row_buffer.data(), head_dim);
-            for (int64_t g = 0; g < group; ++g) {
-              axpy(scores[g * visible + j], value, accumulators.data() + g * head_dim,
-                  head_dim);
-            }
-          });
+      weigh_values<C>(vector_chunks, for_each_value, scores.data(), group, head_dim, visible,
+          accumulators.data(), row_buffer.data());
       Q* out_row = out_data + token * out_token_stride + kv_head * group * head_dim;
       for (int64_t g = 0; g < group; ++g) {
         const float factor = 1.0f / total[g];
         for (int64_t d = 0; d < head_dim; ++d) {
-          out_row[g * head_dim + d] = static_cast<Q>(accumulators[g * head_dim + d] * factor);
+          paged_llm_cpu::store(out_row + g * head_dim + d, accumulators[g * head_dim + d] * factor);
         }
       }
     }
