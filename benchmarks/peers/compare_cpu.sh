@@ -6,23 +6,18 @@
 # on a quiet machine:
 #     bash benchmarks/peers/compare_cpu.sh [OUT_DIR]
 #
-# transformers runs static batching (64 rows) in float32 everywhere and in bfloat16 on a
-# and b, continuous batching in float32 on a and b: without bfloat16 GEMM instructions
-# (AVX2) its bfloat16 matmuls are 5-8x slower than float32 ones, and on c (600-token
-# contexts) continuous batching at ~10 tok/s would take as long as the other runs together.
+# PEERS (default vllm,hf_static64,hf_cb) lists the engines beside paged_llm. On a CPU
+# without bfloat16 GEMM instructions (AVX2) transformers' bfloat16 matmuls run torch's
+# generic loop, 5-8x slower than float32, and its continuous batching on c made ~10 tok/s
+# there: PEERS=vllm,hf_static64 keeps the whole run near an hour on such a machine.
 set -euo pipefail
 out=${1:-benchmarks/results}
+peers=${PEERS:-vllm,hf_static64,hf_cb}
 mkdir -p "$out"
 for dtype in float32 bfloat16; do
   for workload in b a c; do
-    engines=paged_llm,vllm,hf_static64
-    [[ $workload == c ]] || engines+=,hf_cb
-    if [[ $dtype == bfloat16 ]]; then
-      engines=paged_llm,vllm
-      [[ $workload == c ]] || engines+=,hf_static64
-    fi
-    echo "== workload $workload, $dtype: $engines ($(uptime))"
+    echo "== workload $workload, $dtype: paged_llm,$peers ($(uptime))"
     python -m benchmarks.throughput --workload "$workload" --dtype "$dtype" --threads 2 \
-      --engines "$engines" --out "$out/compare_cpu_${workload}_${dtype}.json"
+      --engines "paged_llm,$peers" --out "$out/compare_cpu_${workload}_${dtype}.json"
   done
 done
