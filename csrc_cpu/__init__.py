@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "rms_norm.cpp")]
+_SOURCES = [
+    Path(__file__).with_name(name) for name in ("paged_attention.cpp", "rms_norm.cpp", "rotary.cpp")
+]
 # NOTE: -fopenmp makes at::parallel_for run on torch's OpenMP pool (the soname matches the
 # libgomp torch loaded, so the process keeps one pool and torch.set_num_threads applies).
 # -fno-trapping-math lets loops with comparisons (exp's clamp) vectorize; it changes no
@@ -41,8 +43,8 @@ def load() -> bool:
         )
     except Exception as error:  # a build can fail in many ways: compiler, headers, ninja
         warnings.warn(
-            f"paged_llm's C++ CPU kernels could not be built ({_reason(error)}); decode attention "
-            "and RMSNorm run on torch operators instead (slower). Set CXX to a "
+            f"paged_llm's C++ CPU kernels could not be built ({_reason(error)}); decode attention, "
+            "RMSNorm and rotary run on torch operators instead (slower). Set CXX to a "
             "working C++17 compiler to use them.",
             RuntimeWarning,
             stacklevel=2,
@@ -102,6 +104,16 @@ def fused_add_rms_norm(
     sum and ``x`` its norm (shapes and dtypes as `rms_norm`'s). Needs `load`."""
     torch.ops.paged_llm_cpu.fused_add_rms_norm(x, residual, weight, eps)
     return x, residual
+
+
+def rotary_embedding(
+    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
+    """Rotates query ``[T, H, D]`` and key ``[T, Hkv, D]`` (heads contiguous, tokens at any
+    stride) in place by ``cos`` and ``sin`` ``[T, D / 2]`` (rows contiguous), all four in
+    one dtype: transformers' ``x * cos + rotate_half(x) * sin`` with its roundings. Needs
+    `load`."""
+    torch.ops.paged_llm_cpu.rotary_embedding(query, key, cos, sin)
 
 
 def _reason(error: Exception) -> str:

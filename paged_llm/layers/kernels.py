@@ -18,7 +18,7 @@ class ElementwiseKernels(enum.Enum):
 
     TORCH = "torch"  # torch operators, on every device
     TRITON = "triton"  # csrc_triton's kernels for all three
-    CPU = "cpu"  # csrc_cpu's RMSNorm (alone and after the residual add); torch for the rest
+    CPU = "cpu"  # csrc_cpu's RMSNorm (alone and after the residual add) and rotary; torch's SiLU
 
     def usable(self) -> ElementwiseKernels:
         """This choice, or TORCH where csrc_cpu's kernels could not be built here (`load`

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import csrc_cpu
 from paged_llm.layers.kernels import ElementwiseKernels, triton_kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -71,8 +72,9 @@ def compute_cos_sin_cache(
 class StepRotation:
     """One forward pass's rotation, looked up once and shared by every layer.
 
-    ``cos``/``sin`` are ``[T, 1, head_dim / 2]`` in the activations' dtype on CPU, and None on
-    CUDA, where the Triton kernel reads the table at ``positions`` itself.
+    ``cos``/``sin`` are in the activations' dtype: ``[T, 1, head_dim / 2]`` for torch's
+    operators, ``[T, head_dim / 2]`` for csrc_cpu's kernel, and None with Triton kernels,
+    which read the table at ``positions`` themselves.
     """
 
     positions: torch.Tensor
@@ -104,20 +106,25 @@ class RotaryEmbedding(nn.Module):
         """The rotation of a forward pass over tokens at ``positions``, activations in ``dtype``."""
         if self.kernels is ElementwiseKernels.TRITON:
             return StepRotation(positions, None, None)
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         # transformers rounds cos/sin to the activations' dtype and rotates in it.
-        return StepRotation(positions, cos.to(dtype), sin.to(dtype))
+        cos, sin = self.cos_sin_cache[positions].to(dtype).chunk(2, dim=-1)
+        if self.kernels is ElementwiseKernels.CPU:
+            return StepRotation(positions, cos, sin)
+        return StepRotation(positions, cos.unsqueeze(1), sin.unsqueeze(1))
 
     def forward(
         self, rotation: StepRotation, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """query ``[T, H, D]``, key ``[T, Hkv, D]``; returns the rotated pair.
 
-        With Triton kernels one of them rotates both in place, through whatever views
+        With Triton or CPU kernels one of them rotates both in place, through whatever views
         they are.
         """
         if rotation.cos is None or rotation.sin is None:
             triton_kernels().apply_rotary(query, key, rotation.positions, self.cos_sin_cache)
+            return query, key
+        if self.kernels is ElementwiseKernels.CPU:
+            csrc_cpu.rotary_embedding(query, key, rotation.cos, rotation.sin)
             return query, key
         return _rotate(query, rotation.cos, rotation.sin), _rotate(key, rotation.cos, rotation.sin)
 
