@@ -89,6 +89,12 @@ def decode_attention(
     )
 
 
+def vectorized_decode_attention() -> bool:
+    """Whether `decode_attention` runs AVX-512 passes here (heads of 64 or 128 in a 32- or
+    16-bit cache; others take its generic loops). Needs `load`."""
+    return bool(torch.ops.paged_llm_cpu.vectorized_decode_attention())
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of the rows of ``x`` ``[N, D]`` (rows contiguous), scaled by ``weight``
     ``[D]`` in ``x``'s dtype: transformers' LlamaRMSNorm in one pass. Needs `load`."""

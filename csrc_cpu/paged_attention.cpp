@@ -447,9 +447,21 @@ void decode_attention(
   }
 }
 
+// Whether this build has the AVX-512 passes (for 64- and 128-wide heads of 32/16-bit
+// caches): the Python side decides from it whether sharing decodes take the cascade.
+bool vectorized_decode_attention() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(paged_llm_cpu, m) {
+  m.def("vectorized_decode_attention() -> bool");
+  m.impl("vectorized_decode_attention", c10::DispatchKey::CatchAll, &vectorized_decode_attention);
   m.def(
       "decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor token_idx, Tensor seq_idx, Tensor context_lens, "

@@ -123,9 +123,14 @@ def test_a_failed_build_warns_and_falls_back_to_torch() -> None:
     assert torch.equal(actual, expected)
 
 
-def test_decodes_sharing_a_long_prefix_attend_to_it_once() -> None:
-    """Five decodes whose tables start with the same 4 blocks go through the torch
-    backend's cascade (the prefix gathered once); the others through the kernel."""
+@pytest.mark.parametrize("vectorized", [False, True])
+def test_decodes_sharing_a_long_prefix_take_the_cascade_unless_the_kernel_is_vectorized(
+    vectorized: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Five decodes whose tables start with the same 4 blocks: beside the kernel's generic
+    loops they go through the torch backend's cascade (the prefix gathered once) and the
+    sixth through the kernel; beside its AVX-512 passes all six through the kernel."""
+    monkeypatch.setattr(csrc_cpu, "vectorized_decode_attention", lambda: vectorized)
     torch.manual_seed(5)
     batch = make_batch(
         (1, 1, 1, 1, 1, 1, 20),
@@ -144,6 +149,10 @@ def test_decodes_sharing_a_long_prefix_attend_to_it_once() -> None:
     expected = reference.paged_attention(**batch)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
     plan = backend.prepare(_metadata_of(batch, 16)).decodes
-    assert plan.cascade.shared_prefix is not None
-    assert len(plan.cascade.shared_prefix.token_idx) == 5
-    assert plan.paged.token_idx.tolist() == [5]
+    if vectorized:
+        assert plan.cascade is None
+        assert plan.paged.token_idx.tolist() == [0, 1, 2, 3, 4, 5]
+    else:
+        assert plan.cascade.shared_prefix is not None
+        assert len(plan.cascade.shared_prefix.token_idx) == 5
+        assert plan.paged.token_idx.tolist() == [5]
