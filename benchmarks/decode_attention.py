@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from paged_llm.layers.attention import AttentionMetadata, get_attention_backend
+from paged_llm.layers.attention import AttentionMetadata, KVCacheLayout, get_attention_backend
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     backends = {}
     for name in args.backends.split(","):
         backend = get_attention_backend(name)
-        kv_bytes = 2 * args.num_kv_heads * args.head_dim * tensors["query"].element_size()
-        backend.setup(kv_bytes, has_sliding_window=False)
+        dtype = tensors["query"].dtype
+        backend.setup(KVCacheLayout(args.num_kv_heads, args.head_dim, dtype, dtype, False))
         backend.cascade = not args.no_cascade
         backends[name] = (backend, backend.prepare(metadata))
     wall: dict[str, list[float]] = {name: [] for name in backends}

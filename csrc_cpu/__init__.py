@@ -89,10 +89,10 @@ def decode_attention(
     )
 
 
-def vectorized_decode_attention() -> bool:
-    """Whether `decode_attention` runs AVX-512 passes here (heads of 64 or 128 in a 32- or
-    16-bit cache; others take its generic loops). Needs `load`."""
-    return bool(torch.ops.paged_llm_cpu.vectorized_decode_attention())
+def vectorized_decode_attention(head_dim: int, cache_dtype: torch.dtype) -> bool:
+    """Whether `decode_attention` over a cache of ``cache_dtype`` with heads of
+    ``head_dim`` runs AVX-512 passes here (others take its generic loops). Needs `load`."""
+    return bool(torch.ops.paged_llm_cpu.vectorized_decode_attention(head_dim, cache_dtype))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

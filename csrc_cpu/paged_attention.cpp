@@ -447,20 +447,30 @@ void decode_attention(
   }
 }
 
-// Whether this build has the AVX-512 passes (for 64- and 128-wide heads of 32/16-bit
-// caches): the Python side decides from it whether sharing decodes take the cascade.
-bool vectorized_decode_attention() {
-#if defined(__AVX512F__)
-  return true;
-#else
-  return false;
-#endif
+// Whether decodes of this head size over a cache of this dtype take the AVX-512 passes:
+// the one answer `decode_attention_impl` acts on (`vector_chunks_for`), asked by the Python
+// side to decide whether sharing decodes take the cascade.
+bool vectorized_decode_attention(int64_t head_dim, at::ScalarType cache_dtype) {
+  switch (cache_dtype) {
+    case at::kFloat:
+      return vector_chunks_for<float>(head_dim) > 0;
+    case at::kBFloat16:
+      return vector_chunks_for<c10::BFloat16>(head_dim) > 0;
+    case at::kHalf:
+      return vector_chunks_for<c10::Half>(head_dim) > 0;
+    case at::kFloat8_e4m3fn:
+      return vector_chunks_for<c10::Float8_e4m3fn>(head_dim) > 0;
+    case at::kFloat8_e5m2:
+      return vector_chunks_for<c10::Float8_e5m2>(head_dim) > 0;
+    default:
+      return false;
+  }
 }
 
 }  // namespace
 
 TORCH_LIBRARY(paged_llm_cpu, m) {
-  m.def("vectorized_decode_attention() -> bool");
+  m.def("vectorized_decode_attention(int head_dim, ScalarType cache_dtype) -> bool");
   m.impl("vectorized_decode_attention", c10::DispatchKey::CatchAll, &vectorized_decode_attention);
   m.def(
       "decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, "

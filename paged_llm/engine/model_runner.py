@@ -24,7 +24,7 @@ from paged_llm.engine.cuda_graphs import DecodeGraphs
 from paged_llm.engine.sampling_metadata import build_sampling_metadata
 from paged_llm.engine.scheduler import ScheduledBatch
 from paged_llm.engine.sequence import RawLogprobs, Sequence
-from paged_llm.layers.attention import Attention, get_attention_backend
+from paged_llm.layers.attention import Attention, KVCacheLayout, get_attention_backend
 from paged_llm.layers.linear import (
     prepack_for_cpu,
     process_weights_after_loading,
@@ -195,8 +195,15 @@ class ModelRunner:
             layer.backend = self.attention_backend
         first = self.attention_layers[0]
         self.attention_backend.setup(
-            2 * first.num_kv_heads * first.head_dim * self.config.dtype.itemsize,
-            any(layer.sliding_window is not None for layer in self.attention_layers),
+            KVCacheLayout(
+                num_kv_heads=first.num_kv_heads,
+                head_dim=first.head_dim,
+                compute_dtype=self.config.dtype,
+                cache_dtype=self.config.kv_cache_dtype,
+                has_sliding_window=any(
+                    layer.sliding_window is not None for layer in self.attention_layers
+                ),
+            ),
             self.config.batch_invariant,
         )
         budget = self.platform.kv_cache_budget_bytes(

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from csrc_triton import reference
-from paged_llm.layers.attention import AttentionMetadata, TorchAttentionBackend, torch_backend
+from paged_llm.layers.attention import (
+    AttentionMetadata,
+    KVCacheLayout,
+    TorchAttentionBackend,
+    torch_backend,
+)
 from tests.csrc_triton.batches import make_batch
 
 # Decodes mid-block and across many blocks, a fresh prefill, a chunked prefill after cached
@@ -58,7 +63,14 @@ def _run_backend(
     # them again must change nothing.
     key = batch["key_cache"].view(-1, num_kv_heads, head_dim)[slots].float() * k_scale
     value = batch["value_cache"].view(-1, num_kv_heads, head_dim)[slots].float() * v_scale
-    backend.setup(2 * num_kv_heads * head_dim * 4, sliding_window is not None, batch_invariant)
+    layout = KVCacheLayout(
+        num_kv_heads,
+        head_dim,
+        batch["query"].dtype,
+        batch["key_cache"].dtype,
+        has_sliding_window=sliding_window is not None,
+    )
+    backend.setup(layout, batch_invariant)
     metadata.backend_data = backend.prepare(metadata)
     # The batch's caches are token-major; this backend keeps its cache head-major.
     key_cache = batch["key_cache"].permute(2, 0, 1, 3).contiguous()

@@ -123,6 +123,19 @@ def test_a_failed_build_warns_and_falls_back_to_torch() -> None:
     assert torch.equal(actual, expected)
 
 
+def test_the_kernel_says_which_heads_and_caches_take_its_avx512_passes() -> None:
+    """64- and 128-wide heads of 32- and 16-bit caches, where the build has AVX-512 (it is
+    compiled with -march=native); other head sizes and fp8 caches never."""
+    assert csrc_cpu.load()
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    avx512 = "avx512f" in flags
+    for head_dim in (64, 128):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            assert csrc_cpu.vectorized_decode_attention(head_dim, dtype) is avx512
+    for head_dim, dtype in ((80, torch.float32), (96, torch.bfloat16), (64, torch.float8_e5m2)):
+        assert not csrc_cpu.vectorized_decode_attention(head_dim, dtype)
+
+
 @pytest.mark.parametrize("vectorized", [False, True])
 def test_decodes_sharing_a_long_prefix_take_the_cascade_unless_the_kernel_is_vectorized(
     vectorized: bool, monkeypatch: pytest.MonkeyPatch
@@ -130,7 +143,9 @@ def test_decodes_sharing_a_long_prefix_take_the_cascade_unless_the_kernel_is_vec
     """Five decodes whose tables start with the same 4 blocks: beside the kernel's generic
     loops they go through the torch backend's cascade (the prefix gathered once) and the
     sixth through the kernel; beside its AVX-512 passes all six through the kernel."""
-    monkeypatch.setattr(csrc_cpu, "vectorized_decode_attention", lambda: vectorized)
+    monkeypatch.setattr(
+        csrc_cpu, "vectorized_decode_attention", lambda head_dim, cache_dtype: vectorized
+    )
     torch.manual_seed(5)
     batch = make_batch(
         (1, 1, 1, 1, 1, 1, 20),

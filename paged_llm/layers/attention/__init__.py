@@ -2,7 +2,7 @@
 operators everywhere, torch plus a C++ decode kernel on CPU, Triton for GPU), and the layer
 models use."""
 
-from paged_llm.layers.attention.base import AttentionBackend, AttentionMetadata
+from paged_llm.layers.attention.base import AttentionBackend, AttentionMetadata, KVCacheLayout
 from paged_llm.layers.attention.cpu_backend import CpuAttentionBackend
 from paged_llm.layers.attention.layer import ATTENTION_BACKENDS, Attention, get_attention_backend
 from paged_llm.layers.attention.torch_backend import TorchAttentionBackend
@@ -14,6 +14,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "CpuAttentionBackend",
+    "KVCacheLayout",
     "TorchAttentionBackend",
     "TritonAttentionBackend",
     "get_attention_backend",

@@ -36,6 +36,24 @@ class AttentionMetadata:
     backend_data: Any = None
 
 
+@dataclass(frozen=True, slots=True)
+class KVCacheLayout:
+    """What a backend learns of the cache once the model is built (one layer, this rank)."""
+
+    num_kv_heads: int
+    head_dim: int
+    # The keys' and values' dtype as attention reads them (the model's), and as stored
+    # (that, or fp8).
+    compute_dtype: torch.dtype
+    cache_dtype: torch.dtype
+    has_sliding_window: bool
+
+    @property
+    def read_bytes_per_token(self) -> int:
+        """Key and value bytes of one token in one layer, as attention reads them."""
+        return 2 * self.num_kv_heads * self.head_dim * self.compute_dtype.itemsize
+
+
 class AttentionBackend(abc.ABC):
     """A way to store keys/values in the paged cache and attend over it."""
 
@@ -57,13 +75,9 @@ class AttentionBackend(abc.ABC):
         """Shape of one layer's key (or value) cache."""
         return (num_blocks, block_size, num_kv_heads, head_dim)
 
-    def setup(
-        self, kv_bytes_per_token: int, has_sliding_window: bool, batch_invariant: bool = False
-    ) -> None:
-        """Learn the cache geometry once the model is built: the key and value bytes of
-        one token in one layer in the model dtype (as attention reads them), and whether
-        any layer uses a sliding window; and whether results must be batch-invariant (only
-        where `supports_batch_invariance`)."""
+    def setup(self, layout: KVCacheLayout, batch_invariant: bool = False) -> None:
+        """Learn the cache's layout once the model is built, and whether results must be
+        batch-invariant (only where `supports_batch_invariance`)."""
         return None
 
     def prepare(self, metadata: AttentionMetadata) -> Any:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 import csrc_cpu
-from paged_llm.layers.attention.base import AttentionMetadata
+from paged_llm.layers.attention.base import AttentionMetadata, KVCacheLayout
 from paged_llm.layers.attention.torch_backend import (
     DecodeTokens,
     TorchAttentionBackend,
@@ -58,17 +58,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().__init__()
         self.has_kernel = False
 
-    def setup(
-        self, kv_bytes_per_token: int, has_sliding_window: bool, batch_invariant: bool = False
-    ) -> None:
-        super().setup(kv_bytes_per_token, has_sliding_window, batch_invariant)
+    def setup(self, layout: KVCacheLayout, batch_invariant: bool = False) -> None:
+        super().setup(layout, batch_invariant)
         self.has_kernel = csrc_cpu.load()
         # NOTE: the cascade reads a shared prefix once, but through a gather and torch's
         # matmuls; the kernel's AVX-512 passes, reading the prefix per decode from the
         # processor's cache, beat it: 64 decodes of 600 tokens sharing 448, one layer on a
         # 2-core Zen 5, 1.69 ms against the cascade's 3.52 (float32; bfloat16 1.41 / 3.73).
         # Its generic loops do not (13.9 / 9.1 ms CPU on an AVX2 EPYC).
-        if self.has_kernel and csrc_cpu.vectorized_decode_attention():
+        if self.has_kernel and csrc_cpu.vectorized_decode_attention(
+            layout.head_dim, layout.cache_dtype
+        ):
             self.cascade = False
 
     def _plan_decodes(self, metadata: AttentionMetadata, decodes: DecodeTokens) -> Any:

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from paged_llm.layers.attention.base import AttentionBackend, AttentionMetadata
+from paged_llm.layers.attention.base import AttentionBackend, AttentionMetadata, KVCacheLayout
 from paged_llm.layers.linear import onednn_linear_available
 
 # A decode group admits sequences down to this fraction of its longest context, which
@@ -140,14 +140,12 @@ class TorchAttentionBackend(AttentionBackend):
         # An fp8 cache's blocks are gathered here first, then converted into the workspace.
         self._fp8_workspace = torch.empty(0)
 
-    def setup(
-        self, kv_bytes_per_token: int, has_sliding_window: bool, batch_invariant: bool = False
-    ) -> None:
-        self._kv_bytes_per_token = kv_bytes_per_token
+    def setup(self, layout: KVCacheLayout, batch_invariant: bool = False) -> None:
+        self._kv_bytes_per_token = layout.read_bytes_per_token
         self.batch_invariant = batch_invariant
         # Cascade attention splits the softmax at the shared prefix; a sliding window would
         # cut into that prefix.
-        self.cascade = not has_sliding_window and not batch_invariant
+        self.cascade = not layout.has_sliding_window and not batch_invariant
 
     @staticmethod
     def kv_cache_shape(
