@@ -96,7 +96,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     for name in args.backends.split(","):
         backend = get_attention_backend(name)
         dtype = tensors["query"].dtype
-        backend.setup(KVCacheLayout(args.num_kv_heads, args.head_dim, dtype, dtype, False))
+        backend.setup(
+            KVCacheLayout(args.num_kv_heads, args.head_dim, dtype, dtype, has_sliding_window=False)
+        )
         backend.cascade = not args.no_cascade
         backends[name] = (backend, backend.prepare(metadata))
     wall: dict[str, list[float]] = {name: [] for name in backends}

@@ -194,18 +194,16 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = self.attention_backend
         first = self.attention_layers[0]
-        self.attention_backend.setup(
-            KVCacheLayout(
-                num_kv_heads=first.num_kv_heads,
-                head_dim=first.head_dim,
-                compute_dtype=self.config.dtype,
-                cache_dtype=self.config.kv_cache_dtype,
-                has_sliding_window=any(
-                    layer.sliding_window is not None for layer in self.attention_layers
-                ),
+        self.kv_cache_layout = KVCacheLayout(
+            num_kv_heads=first.num_kv_heads,
+            head_dim=first.head_dim,
+            compute_dtype=self.config.dtype,
+            cache_dtype=self.config.kv_cache_dtype,
+            has_sliding_window=any(
+                layer.sliding_window is not None for layer in self.attention_layers
             ),
-            self.config.batch_invariant,
         )
+        self.attention_backend.setup(self.kv_cache_layout, self.config.batch_invariant)
         budget = self.platform.kv_cache_budget_bytes(
             self.config, self.kv_bytes_per_token, self._profile_step
         )
@@ -239,10 +237,8 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """2 (K and V) x layers x this rank's kv heads x head dim x bytes per cache element."""
-        first = self.attention_layers[0]
-        element_size = self.config.kv_cache_dtype.itemsize
-        return 2 * len(self.attention_layers) * first.num_kv_heads * first.head_dim * element_size
+        """Cache bytes of one token over every layer of this rank."""
+        return len(self.attention_layers) * self.kv_cache_layout.stored_bytes_per_token
 
     def _allocate_kv_cache(self, budget: int) -> int:
         config = self.config
@@ -290,9 +286,9 @@ class ModelRunner:
         return self.num_blocks * self.block_size
 
     def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        first = self.attention_layers[0]
+        layout = self.kv_cache_layout
         return self.attention_backend.kv_cache_shape(
-            num_blocks, self.block_size, first.num_kv_heads, first.head_dim
+            num_blocks, self.block_size, layout.num_kv_heads, layout.head_dim
         )
 
     def _profile_step(self) -> None:

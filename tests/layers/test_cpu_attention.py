@@ -11,7 +11,7 @@ import torch
 
 import csrc_cpu
 from csrc_triton import reference
-from paged_llm.layers.attention import CpuAttentionBackend, TorchAttentionBackend
+from paged_llm.layers.attention import CpuAttentionBackend, KVCacheLayout, TorchAttentionBackend
 from tests.csrc_triton.batches import make_batch
 from tests.layers.test_attention import _metadata_of, _run_backend
 
@@ -134,6 +134,13 @@ def test_the_kernel_says_which_heads_and_caches_take_its_avx512_passes() -> None
             assert csrc_cpu.vectorized_decode_attention(head_dim, dtype) is avx512
     for head_dim, dtype in ((80, torch.float32), (96, torch.bfloat16), (64, torch.float8_e5m2)):
         assert not csrc_cpu.vectorized_decode_attention(head_dim, dtype)
+        # So the backend keeps the cascade for them, whatever the build.
+        backend = CpuAttentionBackend()
+        backend.setup(KVCacheLayout(3, head_dim, torch.bfloat16, dtype, has_sliding_window=False))
+        assert backend.cascade
+    backend = CpuAttentionBackend()
+    backend.setup(KVCacheLayout(3, 64, torch.float32, torch.float32, has_sliding_window=False))
+    assert backend.cascade is not avx512
 
 
 @pytest.mark.parametrize("vectorized", [False, True])

@@ -51,7 +51,15 @@ class KVCacheLayout:
     @property
     def read_bytes_per_token(self) -> int:
         """Key and value bytes of one token in one layer, as attention reads them."""
-        return 2 * self.num_kv_heads * self.head_dim * self.compute_dtype.itemsize
+        return self._bytes_per_token(self.compute_dtype)
+
+    @property
+    def stored_bytes_per_token(self) -> int:
+        """Key and value bytes of one token in one layer, as the cache stores them."""
+        return self._bytes_per_token(self.cache_dtype)
+
+    def _bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * dtype.itemsize
 
 
 class AttentionBackend(abc.ABC):
