@@ -411,7 +411,10 @@ def test_op_profile_profiles_vllm_cpu_on_the_same_requests(tmp_path: Path) -> No
 
     assert result["engine"] == "vllm"
     operators = result["operators"]
-    assert sum(op["self_cpu_seconds"] for op in operators) <= result["total_self_cpu_seconds"]
+    # The table prints each row and the total to 3 decimals of its unit (at most 0.05% off
+    # each), so the rows it lists may add up a hair above the total it prints.
+    listed_seconds = sum(op["self_cpu_seconds"] for op in operators)
+    assert listed_seconds <= result["total_self_cpu_seconds"] * (1 + 1e-3)
     # vLLM's CPU matmuls run through its oneDNN operator.
     assert any("onednn" in op["name"] or "mm" in op["name"] for op in operators)
 
