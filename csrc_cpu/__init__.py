@@ -64,6 +64,7 @@ def decode_attention(
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor,
+    vector_passes: bool = True,
 ) -> None:
     """Attention of the query tokens ``token_idx`` over their paged context, into ``out``.
 
@@ -73,7 +74,9 @@ def decode_attention(
     ``[B, max_blocks]`` int32; token_idx, seq_idx (the block-table row of each token) and
     context_lens (the keys it sees: positions ``< context_len``, the last
     ``sliding_window`` of them if given) ``[N]`` int64. Rows of ``out`` not in token_idx
-    are left as they were. Needs `load` to have returned True.
+    are left as they were. ``vector_passes=False`` runs the generic loops where the
+    vector passes (`vectorized_decode_attention`) would, which give the same bits (a test
+    holds them to it). Needs `load` to have returned True.
     """
     torch.ops.paged_llm_cpu.decode_attention(
         query,
@@ -85,13 +88,15 @@ def decode_attention(
         context_lens,
         scale,
         sliding_window or 0,
+        vector_passes,
         out,
     )
 
 
 def vectorized_decode_attention(head_dim: int, cache_dtype: torch.dtype) -> bool:
     """Whether `decode_attention` over a cache of ``cache_dtype`` with heads of
-    ``head_dim`` runs AVX-512 passes here (others take its generic loops). Needs `load`."""
+    ``head_dim`` runs vector passes here (AVX-512, or AVX2 with FMA and F16C; others take
+    its generic loops). Needs `load`."""
     return bool(torch.ops.paged_llm_cpu.vectorized_decode_attention(head_dim, cache_dtype))
 
 

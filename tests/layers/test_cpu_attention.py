@@ -123,15 +123,22 @@ def test_a_failed_build_warns_and_falls_back_to_torch() -> None:
     assert torch.equal(actual, expected)
 
 
-def test_the_kernel_says_which_heads_and_caches_take_its_avx512_passes() -> None:
-    """64- and 128-wide heads of 32- and 16-bit caches, where the build has AVX-512 (it is
-    compiled with -march=native); other head sizes and fp8 caches never."""
+def _has_vector_passes() -> bool:
+    """What the kernel's build (-march=native) vectorizes on this processor: AVX-512, or
+    AVX2 with FMA and F16C."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    return "avx512f" in flags or {"avx2", "fma", "f16c"} <= flags
+
+
+def test_the_kernel_says_which_heads_and_caches_take_its_vector_passes() -> None:
+    """64- and 128-wide heads of 32- and 16-bit caches, where the processor has AVX-512 or
+    AVX2; other head sizes and fp8 caches never."""
     assert csrc_cpu.load()
-    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
-    avx512 = "avx512f" in flags
+    vectorized = _has_vector_passes()
     for head_dim in (64, 128):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            assert csrc_cpu.vectorized_decode_attention(head_dim, dtype) is avx512
+            assert csrc_cpu.vectorized_decode_attention(head_dim, dtype) is vectorized
     for head_dim, dtype in ((80, torch.float32), (96, torch.bfloat16), (64, torch.float8_e5m2)):
         assert not csrc_cpu.vectorized_decode_attention(head_dim, dtype)
         # So the backend keeps the cascade for them, whatever the build.
@@ -140,7 +147,50 @@ def test_the_kernel_says_which_heads_and_caches_take_its_avx512_passes() -> None
         assert backend.cascade
     backend = CpuAttentionBackend()
     backend.setup(KVCacheLayout(3, 64, torch.float32, torch.float32, has_sliding_window=False))
-    assert backend.cascade is not avx512
+    assert backend.cascade is not vectorized
+
+
+@pytest.mark.skipif(not _has_vector_passes(), reason="this processor has no AVX-512 nor AVX2")
+@pytest.mark.parametrize("sliding_window", [None, 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_vector_passes_give_the_generic_loops_bits(
+    head_dim: int, dtype: torch.dtype, sliding_window: int | None
+) -> None:
+    """They add in the generic loops' order, so every output is bit-identical, for groups
+    that fill and do not fill the register tiles and contexts on both sides of the key and
+    row batches (8, 16) and of the blocks."""
+    context_lens = torch.tensor([1, 7, 8, 9, 15, 16, 17, 33, 100, 257])
+    num_kv_heads, block_size = 2, 16
+    max_blocks = -(-int(context_lens.max()) // block_size)
+    num_blocks = len(context_lens) * max_blocks + 1
+    torch.manual_seed(7)
+    cache_shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    key_cache = torch.randn(cache_shape).to(dtype)
+    value_cache = torch.randn(cache_shape).to(dtype)
+    block_tables = (torch.randperm(num_blocks - 1) + 1)[: len(context_lens) * max_blocks]
+    block_tables = block_tables.view(len(context_lens), max_blocks).to(torch.int32)
+    rows = torch.arange(len(context_lens))
+    for group in (1, 2, 3, 4, 5, 8):
+        query = torch.randn(len(context_lens), num_kv_heads * group, head_dim).to(dtype)
+        outputs = []
+        for vector_passes in (True, False):
+            out = torch.zeros_like(query)
+            csrc_cpu.decode_attention(
+                query,
+                key_cache,
+                value_cache,
+                block_tables,
+                rows,
+                rows,
+                context_lens,
+                head_dim**-0.5,
+                sliding_window,
+                out,
+                vector_passes=vector_passes,
+            )
+            outputs.append(out)
+        assert torch.equal(outputs[0], outputs[1]), f"group {group}"
 
 
 @pytest.mark.parametrize("vectorized", [False, True])
@@ -149,7 +199,7 @@ def test_decodes_sharing_a_long_prefix_take_the_cascade_unless_the_kernel_is_vec
 ) -> None:
     """Five decodes whose tables start with the same 4 blocks: beside the kernel's generic
     loops they go through the torch backend's cascade (the prefix gathered once) and the
-    sixth through the kernel; beside its AVX-512 passes all six through the kernel."""
+    sixth through the kernel; beside its vector passes all six through the kernel."""
     monkeypatch.setattr(
         csrc_cpu, "vectorized_decode_attention", lambda head_dim, cache_dtype: vectorized
     )

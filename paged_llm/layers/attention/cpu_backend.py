@@ -3,12 +3,14 @@ attended by a C++ kernel (``csrc_cpu``) that reads the paged cache in place.
 
 The torch backend's decodes gather each sequence's keys and values into a workspace and
 multiply them in two batched matmuls; the kernel reads each cached row once, where it
-lies, with one task per (token, KV head) for the query heads of that KV head. Decodes
-that share a long prefix (a system prompt, served by the prefix cache) still take the
-torch backend's cascade, which reads the prefix once for all of them: one layer of 64
-decodes over a shared 448 of 600 tokens took 9.4 ms there against 13.9 ms through the
-kernel (docs/benchmarks.md). Where the kernel cannot be built (no compiler), this backend
-warns once and runs as the torch one.
+lies, with one task per (token, KV head) for the query heads of that KV head. Where the
+kernel has no vector passes for the heads and cache (`csrc_cpu.vectorized_decode_attention`:
+neither AVX-512 nor AVX2, other head sizes, fp8 caches), decodes that share a long prefix
+(a system prompt, served by the prefix cache) take the torch backend's cascade instead,
+which reads the prefix once for all of them: one layer of 64 decodes over a shared 448 of
+600 tokens took 9.4 ms there against 13.9 ms through the kernel's generic loops
+(docs/benchmarks.md). Where the kernel cannot be built (no compiler), this backend warns
+once and runs as the torch one.
 
 Batch-invariant mode sends every query token through the kernel, whose per-token result
 depends only on that token's query and context.
@@ -62,10 +64,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().setup(layout, batch_invariant)
         self.has_kernel = csrc_cpu.load()
         # NOTE: the cascade reads a shared prefix once, but through a gather and torch's
-        # matmuls; the kernel's AVX-512 passes, reading the prefix per decode from the
-        # processor's cache, beat it: 64 decodes of 600 tokens sharing 448, one layer on a
-        # 2-core Zen 5, 1.69 ms against the cascade's 3.52 (float32; bfloat16 1.41 / 3.73).
-        # Its generic loops do not (13.9 / 9.1 ms CPU on an AVX2 EPYC).
+        # matmuls; the kernel's vector passes, reading the prefix per decode from the
+        # processor's cache, beat it: 64 decodes of 600 tokens sharing 448, one layer, 2
+        # threads, 1.69 ms against the cascade's 3.52 on a Zen 5 with AVX-512 (float32;
+        # bfloat16 1.41 / 3.73), 4.2 against 6.9 ms on a Zen 3 with AVX2 (bfloat16 3.6 /
+        # 6.7). Its generic loops do not (13.9 / 9.1 ms CPU on an AVX2 EPYC).
         if self.has_kernel and csrc_cpu.vectorized_decode_attention(
             layout.head_dim, layout.cache_dtype
         ):
