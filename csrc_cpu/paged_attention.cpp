@@ -243,8 +243,8 @@ void score_all_keys(ForEachKey&& for_each_key, const float* queries, int64_t gro
 // running sum over the rows. With 16 registers instead of 32, a batch of 8 keys is scored
 // at a time, and the values are weighed in batches of rows that stay in L1 while every
 // head and column tile passes over them (the running sums wait in memory between
-// batches, which rounds nothing). The generic loops took 8.4 ms for one layer of 64
-// decodes of 600 tokens on a 2-core Zen 3.
+// batches, which rounds nothing). One layer of 64 decodes of 600 tokens sharing 448, 2
+// threads of a Zen 3: 7.4 ms in the generic loops, 3.4 here (bfloat16 4.9 / 2.6).
 namespace avx2 {
 
 inline __m256 load8(const float* row) { return _mm256_loadu_ps(row); }
@@ -339,7 +339,7 @@ void weigh_tile(const float* weights, int64_t head, int64_t column, int64_t head
 }
 
 // Every head and column tile over one batch of rows: tiles of 2 heads x 32 columns (8
-// running sums, 4 values, 2 weights: 14 of the 16 registers), a last single head alone.
+// running sums, 4 values and a weight: 13 of the 16 registers), a last single head alone.
 template <typename C>
 void weigh_rows(const float* weights, int64_t group, int64_t head_dim, int64_t visible,
     const C* const* rows, int64_t first, int64_t count, float* accumulators) {
