@@ -556,7 +556,10 @@ void decode_attention_impl(
   const float softmax_scale = static_cast<float>(scale);
   const int64_t vector_chunks = vector_passes ? vector_chunks_for<C>(head_dim) : 0;
 
-  // A task's work is its context length; a few per thread even out the lengths.
+  // A task's work is its context length; a few per thread even out the lengths. Tasks go
+  // KV head by KV head, so a thread's consecutive tasks read the same head's rows: a prefix
+  // their sequences share stays in L2 between them (2-5% off a layer of 64 decodes sharing
+  // 448 of 600 tokens, measured against token by token).
   at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> queries(group * head_dim);
     std::vector<float> accumulators(group * head_dim);
@@ -565,8 +568,8 @@ void decode_attention_impl(
     std::vector<float> maximum(group);
     std::vector<float> total(group);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t n = task / num_kv_heads;
-      const int64_t kv_head = task % num_kv_heads;
+      const int64_t kv_head = task / num_tokens;
+      const int64_t n = task % num_tokens;
       const int64_t token = tokens[n];
       const int64_t context_len = lens[n];
       const int64_t first = sliding_window > 0
