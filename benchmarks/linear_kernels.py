@@ -5,8 +5,10 @@ behind ``quantization=`` (see docs/quantization.md).
 
 Each layer is a paged_llm `Linear` loaded the way the engine loads it (float32 packed for
 oneDNN, bfloat16, int8 through torch's ``_weight_int8pack_mm`` with float32 or bfloat16
-activations, and GGUF Q4_1 dequantized in the matmul), timed as the best of ``--repeats``
-calls after a warm-up: the best, not the mean, because the machine may be shared.
+activations, and GGUF Q4_1 dequantized in the matmul), plus float32 left to torch's own
+matmul (MKL), the library the oneDNN packing replaces; each timed as the best of
+``--repeats`` calls after a warm-up: the best, not the mean, because the machine may be
+shared.
 """
 
 from __future__ import annotations
@@ -36,6 +38,13 @@ def _float_layer(weight: torch.Tensor, dtype: torch.dtype) -> nn.Module:
     return layer
 
 
+def _mkl_layer(weight: torch.Tensor, dtype: torch.dtype) -> nn.Module:
+    # Left unpacked, the layer runs torch's own matmul: MKL on x86, what oneDNN replaces.
+    layer = Linear(weight.shape[1], weight.shape[0], False).to(dtype)
+    layer.weight.data.copy_(weight)
+    return layer
+
+
 def _int8_layer(weight: torch.Tensor, dtype: torch.dtype) -> nn.Module:
     method = get_quantized_linear_method("int8", triton=False)
     layer = Linear(weight.shape[1], weight.shape[0], False, method).to(dtype)
@@ -61,6 +70,7 @@ def _gguf_layer(weight: torch.Tensor, dtype: torch.dtype) -> nn.Module:
 
 FORMATS: dict[str, tuple[Callable[[torch.Tensor, torch.dtype], nn.Module], torch.dtype]] = {
     "float32 (oneDNN)": (_float_layer, torch.float32),
+    "float32 (MKL)": (_mkl_layer, torch.float32),
     "bfloat16": (_float_layer, torch.bfloat16),
     "int8, float32 act": (_int8_layer, torch.float32),
     "int8, bfloat16 act": (_int8_layer, torch.bfloat16),
