@@ -17,7 +17,9 @@
 #include "convert.h"
 #include "vector_math.h"
 
+// The vector passes below: AVX-512 where the build has it, else AVX2 with FMA and F16C.
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#define PAGED_LLM_VECTOR_PASSES
 #include <immintrin.h>
 #endif
 
@@ -99,6 +101,30 @@ inline void for_each_row(const C* head, const C* also_prefetch, const int32_t* t
   }
 }
 
+#ifdef PAGED_LLM_VECTOR_PASSES
+// The caches both vector passes read: 32- and 16-bit floats (fp8 takes the generic loops).
+template <typename C>
+constexpr bool kVectorCache = std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16>
+    || std::is_same_v<C, c10::Half>;
+
+// Calls process(rows, first, count) for the rows for_each_row visits, kBatch at a time.
+template <int64_t kBatch, typename C, typename ForEachRow, typename Process>
+void in_batches(ForEachRow&& for_each_row, Process&& process) {
+  const C* rows[kBatch];
+  int64_t count = 0;
+  int64_t first = 0;
+  for_each_row([&](const C* row, int64_t) {
+    rows[count++] = row;
+    if (count == kBatch) {
+      process(rows, first, count);
+      first += count;
+      count = 0;
+    }
+  });
+  if (count > 0) process(rows, first, count);
+}
+#endif
+
 #if defined(__AVX512F__)
 // AVX-512 forms of the two passes over a KV head's rows, for head sizes of whole 16-lane
 // vectors and 32/16-bit caches. They add in the generic loops' order (each score a 16-lane
@@ -120,10 +146,6 @@ inline __m512 load16(const c10::BFloat16* row) {
 inline __m512 load16(const c10::Half* row) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
 }
-
-template <typename C>
-constexpr bool kSupported = std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16>
-    || std::is_same_v<C, c10::Half>;
 
 // Lane r of the result is sum_lanes(v[r]), added as sum_lanes adds (lane l with l + 8,
 // then l + 4, l + 2, l + 1), four levels of shuffles shared by all 16 vectors.
@@ -217,26 +239,14 @@ void weigh_all_values(const float* weights, int64_t group, int64_t visible, Rows
 template <int kChunks, typename C, typename ForEachKey>
 void score_all_keys(ForEachKey&& for_each_key, const float* queries, int64_t group, float scale,
     int64_t visible, float* scores, float* maximum) {
-  const C* keys[16];
-  int64_t count = 0;
-  int64_t first = 0;
-  for_each_key([&](const C* key, int64_t) {
-    keys[count++] = key;
-    if (count == 16) {
-      score_keys<kChunks>(queries, group, keys, count, scale, first, visible, scores, maximum);
-      first += count;
-      count = 0;
-    }
-  });
-  if (count > 0) {
+  in_batches<16, C>(for_each_key, [&](const C* const* keys, int64_t first, int64_t count) {
     score_keys<kChunks>(queries, group, keys, count, scale, first, visible, scores, maximum);
-  }
+  });
 }
 
 }  // namespace avx512
-#endif
-
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+namespace vector_isa = avx512;
+#elif defined(PAGED_LLM_VECTOR_PASSES)
 // AVX2 forms of the two passes (Zen 3 and other CPUs without AVX-512), for the same head
 // sizes and caches, adding in the same order as the generic loops: a score's 16 partial
 // sums are two 8-lane registers, reduced as sum_lanes reduces them; an output element is a
@@ -260,10 +270,6 @@ inline __m256 load8(const c10::BFloat16* row) {
 inline __m256 load8(const c10::Half* row) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
 }
-
-template <typename C>
-constexpr bool kSupported = std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16>
-    || std::is_same_v<C, c10::Half>;
 
 constexpr int64_t kKeysPerBatch = 8;
 constexpr int64_t kRowsPerBatch = 16;
@@ -397,23 +403,6 @@ void weigh_rows(const float* weights, int64_t group, int64_t head_dim, int64_t v
   }
 }
 
-// Calls process(rows, first, count) for the rows for_each_row visits, kBatch at a time.
-template <int64_t kBatch, typename C, typename ForEachRow, typename Process>
-void in_batches(ForEachRow&& for_each_row, Process&& process) {
-  const C* rows[kBatch];
-  int64_t count = 0;
-  int64_t first = 0;
-  for_each_row([&](const C* row, int64_t) {
-    rows[count++] = row;
-    if (count == kBatch) {
-      process(rows, first, count);
-      first += count;
-      count = 0;
-    }
-  });
-  if (count > 0) process(rows, first, count);
-}
-
 template <int kChunks, typename C, typename ForEachKey>
 void score_all_keys(ForEachKey&& for_each_key, const float* queries, int64_t group, float scale,
     int64_t visible, float* scores, float* maximum) {
@@ -423,29 +412,27 @@ void score_all_keys(ForEachKey&& for_each_key, const float* queries, int64_t gro
   });
 }
 
-template <typename C, typename ForEachValue>
-void weigh_all_values(const float* weights, int64_t group, int64_t head_dim, int64_t visible,
+template <int kChunks, typename C, typename ForEachValue>
+void weigh_all_values(const float* weights, int64_t group, int64_t visible,
     ForEachValue&& for_each_value, float* accumulators) {
-  std::fill(accumulators, accumulators + group * head_dim, 0.0f);
+  constexpr int64_t kHeadDim = kChunks * 16;
+  std::fill(accumulators, accumulators + group * kHeadDim, 0.0f);
   in_batches<kRowsPerBatch, C>(for_each_value, [&](const C* const* rows, int64_t first,
       int64_t count) {
-    weigh_rows(weights, group, head_dim, visible, rows, first, count, accumulators);
+    weigh_rows(weights, group, kHeadDim, visible, rows, first, count, accumulators);
   });
 }
 
 }  // namespace avx2
+namespace vector_isa = avx2;
 #endif
 
 // 16-float chunks (kLanes) in a head where the vector passes (AVX-512 or AVX2) run (4 or
 // 8), else 0.
 template <typename C>
 int64_t vector_chunks_for(int64_t head_dim) {
-#if defined(__AVX512F__)
-  if constexpr (avx512::kSupported<C>) {
-    if (head_dim == 64 || head_dim == 128) return head_dim / 16;
-  }
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  if constexpr (avx2::kSupported<C>) {
+#ifdef PAGED_LLM_VECTOR_PASSES
+  if constexpr (kVectorCache<C>) {
     if (head_dim == 64 || head_dim == 128) return head_dim / 16;
   }
 #endif
@@ -457,26 +444,15 @@ template <typename C, typename ForEachKey>
 void score_keys(int64_t vector_chunks, ForEachKey&& for_each_key, const float* queries,
     int64_t group, int64_t head_dim, float scale, int64_t visible, float* scores,
     float* maximum, float* row_buffer) {
-#if defined(__AVX512F__)
-  if constexpr (avx512::kSupported<C>) {
+#ifdef PAGED_LLM_VECTOR_PASSES
+  if constexpr (kVectorCache<C>) {
     if (vector_chunks == 4) {
-      return avx512::score_all_keys<4, C>(for_each_key, queries, group, scale, visible, scores,
-          maximum);
+      return vector_isa::score_all_keys<4, C>(for_each_key, queries, group, scale, visible,
+          scores, maximum);
     }
     if (vector_chunks == 8) {
-      return avx512::score_all_keys<8, C>(for_each_key, queries, group, scale, visible, scores,
-          maximum);
-    }
-  }
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  if constexpr (avx2::kSupported<C>) {
-    if (vector_chunks == 4) {
-      return avx2::score_all_keys<4, C>(for_each_key, queries, group, scale, visible, scores,
-          maximum);
-    }
-    if (vector_chunks == 8) {
-      return avx2::score_all_keys<8, C>(for_each_key, queries, group, scale, visible, scores,
-          maximum);
+      return vector_isa::score_all_keys<8, C>(for_each_key, queries, group, scale, visible,
+          scores, maximum);
     }
   }
 #endif
@@ -494,19 +470,14 @@ void score_keys(int64_t vector_chunks, ForEachKey&& for_each_key, const float* q
 template <typename C, typename ForEachValue>
 void weigh_values(int64_t vector_chunks, ForEachValue&& for_each_value, const float* weights,
     int64_t group, int64_t head_dim, int64_t visible, float* accumulators, float* row_buffer) {
-#if defined(__AVX512F__)
-  if constexpr (avx512::kSupported<C>) {
+#ifdef PAGED_LLM_VECTOR_PASSES
+  if constexpr (kVectorCache<C>) {
     if (vector_chunks == 4) {
-      return avx512::weigh_all_values<4, C>(weights, group, visible, for_each_value, accumulators);
+      return vector_isa::weigh_all_values<4, C>(weights, group, visible, for_each_value,
+          accumulators);
     }
     if (vector_chunks == 8) {
-      return avx512::weigh_all_values<8, C>(weights, group, visible, for_each_value, accumulators);
-    }
-  }
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  if constexpr (avx2::kSupported<C>) {
-    if (vector_chunks > 0) {
-      return avx2::weigh_all_values<C>(weights, group, head_dim, visible, for_each_value,
+      return vector_isa::weigh_all_values<8, C>(weights, group, visible, for_each_value,
           accumulators);
     }
   }
