@@ -259,7 +259,8 @@ def _choose_num_splits(
     if num_programs >= num_sms:
         return 1
     # Each split should still stream at least ~512 keys, or the merge pass costs more than it saves.
-    return max(1, min(_MAX_NUM_SPLITS, triton.cdiv(num_sms, num_programs), max_seq_len // 512))
+    splits_to_fill_gpu: int = triton.cdiv(num_sms, num_programs)
+    return max(1, min(_MAX_NUM_SPLITS, splits_to_fill_gpu, max_seq_len // 512))
 
 
 def paged_attention(

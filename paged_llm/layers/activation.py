@@ -22,7 +22,8 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is ElementwiseKernels.TRITON:
-            return triton_kernels().silu_and_mul(x)
+            activated: torch.Tensor = triton_kernels().silu_and_mul(x)
+            return activated
         gate, up = x.chunk(2, dim=-1)
         # In place on silu's fresh output: one large temporary instead of two (measured
         # 14.6 -> 9.1 ms with the down projection, 2048 tokens of SmolLM2 on CPU).

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from paged_llm.distributed.group import TensorParallelGroup
-from paged_llm.layers.linear import CheckpointPart, Linear
+from paged_llm.layers.linear import Linear
 from paged_llm.layers.quantization import QuantizedLinearMethod
-from paged_llm.layers.weights import CheckpointTensor
+from paged_llm.layers.weights import CheckpointPart, CheckpointTensor
 
 
 def _vocab_shard(vocab_size: int, tp: TensorParallelGroup) -> tuple[int, int]:

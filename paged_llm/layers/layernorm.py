@@ -37,8 +37,14 @@ class RMSNorm(nn.Module):
         if self.kernels is ElementwiseKernels.TRITON:
             kernels = triton_kernels()
             if residual is not None:
-                return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
-            return kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+                normed_and_sum: tuple[torch.Tensor, torch.Tensor] = kernels.fused_add_rms_norm(
+                    x, residual, self.weight, self.eps
+                )
+                return normed_and_sum
+            normed: torch.Tensor = kernels.rms_norm(
+                x.reshape(-1, x.shape[-1]), self.weight, self.eps
+            )
+            return normed.view(x.shape)
         if residual is not None:
             x = x + residual
             return self._norm(x), x

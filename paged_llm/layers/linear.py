@@ -15,8 +15,8 @@ from torch import nn
 
 from paged_llm.distributed.group import TensorParallelGroup
 from paged_llm.layers.quantization import QuantizedLinearMethod
-from paged_llm.layers.quantization.grouped import GroupQuantizedWeight
-from paged_llm.layers.weights import CheckpointTensor
+from paged_llm.layers.quantization.grouped_weight import GroupQuantizedWeight
+from paged_llm.layers.weights import CheckpointPart, CheckpointTensor
 
 # Batch size oneDNN tunes a packed weight for; measured flat from 16 to 2048 rows.
 _PACK_BATCH_HINT = 64
@@ -49,16 +49,6 @@ def onednn_linear_available(dtype: torch.dtype) -> bool:
         )
     except RuntimeError:
         return False
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointPart:
-    """The part of one checkpoint weight a rank keeps: its ``rows`` and ``cols`` (each a
-    ``(start, size)``, None for all of them), and the rows of the layer's weight they fill."""
-
-    rows: tuple[int, int] | None
-    cols: tuple[int, int] | None
-    out_rows: slice
 
 
 class Linear(nn.Linear):
@@ -155,7 +145,10 @@ class Linear(nn.Linear):
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, bias)
         if self.onednn_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, bias, "none", [], "")
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                x, self.onednn_weight, bias, "none", [], ""
+            )
+            return out
         if self.float32_gemm and x.shape[0] >= _FLOAT32_GEMM_MIN_ROWS:
             return multiply_as_float32(x, self.weight, bias)
         return F.linear(x, self.weight, bias)

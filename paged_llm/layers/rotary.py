@@ -31,7 +31,7 @@ def _inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
     # Same expression (and float32 rounding) as transformers, so positions rotate identically.
     base = params["rope_theta"]
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim
-    inv_freq = 1.0 / (base**exponents)
+    inv_freq: torch.Tensor = 1.0 / (base**exponents)
     rope_type = params["rope_type"]
     if rope_type == "default":
         return inv_freq

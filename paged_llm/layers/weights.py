@@ -3,6 +3,7 @@ loaded weights take."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,6 +42,16 @@ class CheckpointTensor:
                 f"Checkpoint weight {self.name!r} has shape {self.shape}, the model expects "
                 f"{expected}."
             )
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointPart:
+    """The part of one checkpoint weight a rank keeps: its ``rows`` and ``cols`` (each a
+    ``(start, size)``, None for all of them), and the rows of the layer's weight they fill."""
+
+    rows: tuple[int, int] | None
+    cols: tuple[int, int] | None
+    out_rows: slice
 
 
 def rows_held(rows: tuple[int, int], num_rows: int) -> tuple[slice, int]:

@@ -263,7 +263,7 @@ def _metadata(reader: Any, key: str) -> Any:
 def _build_config(
     gguf_path: Path, reader: Any, architecture: str, tensors: dict[str, Any]
 ) -> transformers.PretrainedConfig:
-    config = transformers.AutoConfig.from_pretrained(
+    config: transformers.PretrainedConfig = transformers.AutoConfig.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name
     )
     config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]

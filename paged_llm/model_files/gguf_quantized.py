@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from paged_llm.layers.quantization.grouped import GroupQuantizedTensor, GroupQuantizedWeight
+from paged_llm.layers.quantization.grouped import GroupQuantizedTensor
+from paged_llm.layers.quantization.grouped_weight import GroupQuantizedWeight
 from paged_llm.model_files.gguf import (
     _ROPE_PERMUTED_ARCHITECTURES,
     MARKER_FILE,
@@ -50,7 +51,8 @@ def gguf_source(model_dir: Path) -> Path | None:
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
     """The float16 at bytes ``[start, start + 2)`` of every block, as float32."""
-    return blocks[..., start : start + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+    halves: np.ndarray = blocks[..., start : start + 2].copy().view(np.float16)[..., 0]
+    return halves.astype(np.float32)
 
 
 def _nibbles(packed: np.ndarray, chunk: int) -> np.ndarray:

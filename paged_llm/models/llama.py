@@ -22,12 +22,15 @@ from paged_llm.models.context import ModelContext
 
 
 def _head_dim(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim: int = getattr(config, "head_dim", None) or (
+        config.hidden_size // config.num_attention_heads
+    )
+    return head_dim
 
 
 def _sliding_window(config: Any, layer_index: int) -> int | None:
     """The layer's sliding window, following the config's conventions."""
-    window = getattr(config, "sliding_window", None)
+    window: int | None = getattr(config, "sliding_window", None)
     if window is None:
         return None
     layer_types = getattr(config, "layer_types", None)
@@ -93,8 +96,9 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(rotation, q, k)
-        out = self.attn(q, k, v, metadata)
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        attended = self.attn(q, k, v, metadata)
+        out: torch.Tensor = self.o_proj(attended.view(num_tokens, self.q_size))
+        return out
 
 
 class LlamaMLP(nn.Module):
@@ -112,7 +116,8 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul(context.elementwise)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        out: torch.Tensor = self.down_proj(self.act(self.gate_up_proj(x)))
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -226,7 +231,7 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden_size]`` of a flat batch of ``T`` tokens."""
-        hidden = self.model.embed_tokens(input_ids)
+        hidden: torch.Tensor = self.model.embed_tokens(input_ids)
         rotation = self.rotary.step_rotation(positions, hidden.dtype)
         residual = None
         for layer in self.model.layers:
@@ -236,4 +241,5 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits of ``hidden``'s rows over the vocabulary (None on ranks other than 0)."""
-        return self.lm_head(hidden)
+        logits: torch.Tensor | None = self.lm_head(hidden)
+        return logits

@@ -60,39 +60,43 @@ def choice_ebnf(choices: list[str]) -> str:
 def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
     """The constraint as an xgrammar grammar; ValueError naming the field when xgrammar
     cannot read it (an invalid schema, regex or grammar)."""
-    xgr = import_xgrammar()
+    xgrammar = import_xgrammar()
     kind = params.kind
     any_whitespace = not params.disable_any_whitespace
+    grammar: xgr.Grammar
     try:
         if kind in ("json", "json_object"):
             schema = '{"type": "object"}' if params.json is None else params.json
-            grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
-            if params.whitespace_pattern is None:
-                return grammar
-            return _with_whitespace_pattern(xgr, grammar, params.whitespace_pattern)
-        if kind == "regex":
+            grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
+            if params.whitespace_pattern is not None:
+                grammar = _with_whitespace_pattern(xgrammar, grammar, params.whitespace_pattern)
+        elif kind == "regex":
             assert params.regex is not None
-            return xgr.Grammar.from_regex(params.regex)
-        if kind == "choice":
+            grammar = xgrammar.Grammar.from_regex(params.regex)
+        elif kind == "choice":
             assert params.choice is not None
-            return xgr.Grammar.from_ebnf(choice_ebnf(params.choice))
-        assert params.grammar is not None
-        return xgr.Grammar.from_ebnf(params.grammar)
+            grammar = xgrammar.Grammar.from_ebnf(choice_ebnf(params.choice))
+        else:
+            assert params.grammar is not None
+            grammar = xgrammar.Grammar.from_ebnf(params.grammar)
     except RuntimeError as error:
         reason = _NATIVE_PREFIX.sub("", str(error).strip())
         raise ValueError(
             f"StructuredOutputsParams.{kind} is not valid for xgrammar: {reason}"
         ) from None
+    return grammar
 
 
-def _with_whitespace_pattern(xgr: ModuleType, grammar: xgr.Grammar, pattern: str) -> xgr.Grammar:
+def _with_whitespace_pattern(
+    xgrammar: ModuleType, grammar: xgr.Grammar, pattern: str
+) -> xgr.Grammar:
     """A JSON grammar whose free whitespace is replaced by the regex ``pattern``.
 
     xgrammar has no whitespace option of its own (vLLM's whitespace_pattern goes to outlines
     only), so the regex's grammar joins the JSON grammar's, its rules renamed apart.
     """
     try:
-        whitespace = str(xgr.Grammar.from_regex(pattern))
+        whitespace = str(xgrammar.Grammar.from_regex(pattern))
     except RuntimeError as error:
         raise ValueError(
             "StructuredOutputsParams.whitespace_pattern is not a valid regex for xgrammar: "
@@ -104,9 +108,10 @@ def _with_whitespace_pattern(xgr: ModuleType, grammar: xgr.Grammar, pattern: str
     )
     json_ebnf = str(grammar)
     assert _FREE_WHITESPACE in json_ebnf, "xgrammar changed how it writes JSON whitespace"
-    return xgr.Grammar.from_ebnf(
+    merged: xgr.Grammar = xgrammar.Grammar.from_ebnf(
         json_ebnf.replace(_FREE_WHITESPACE, "json_whitespace_root") + "\n" + whitespace
     )
+    return merged
 
 
 class GrammarCompiler:
@@ -252,7 +257,9 @@ def grammar_bitmask(grammars: list[SequenceGrammar | None]) -> torch.Tensor | No
     rows = [(row, grammar) for row, grammar in enumerate(grammars) if grammar is not None]
     if not rows:
         return None
-    bitmask = import_xgrammar().allocate_token_bitmask(len(grammars), rows[0][1].vocab_size)
+    bitmask: torch.Tensor = import_xgrammar().allocate_token_bitmask(
+        len(grammars), rows[0][1].vocab_size
+    )
     for row, grammar in rows:
         grammar.fill_bitmask(bitmask, row)
     return bitmask

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from csrc_triton import group_quantized_matmul, reference
-from paged_llm.layers.quantization.grouped import GroupQuantizedWeight
+from paged_llm.layers.quantization.grouped_weight import GroupQuantizedWeight
 
 
 def _codes(

@@ -3,7 +3,6 @@ backend and the reference, and its fallback where the kernel cannot be built."""
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import pytest
@@ -22,9 +21,7 @@ QUERY_LENS = (1, 1, 1, 1, 1, 1, 1, 24, 5)
 CONTEXT_LENS = (0, 15, 16, 17, 31, 63, 200, 0, 40)
 
 
-@pytest.fixture(autouse=True)
-def _kernel() -> None:
-    assert csrc_cpu.load(), "the C++ kernel must build where the tests run"
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 def _batch(
@@ -102,17 +99,7 @@ def test_batch_invariant_mode_attends_every_token_through_the_kernel() -> None:
     assert torch.equal(alone, together[start:end])
 
 
-@pytest.fixture
-def _failing_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A fresh extension directory, a compiler that does not exist, and a `load` that has
-    not run yet (the real one keeps its loaded library for the other tests: a library
-    loaded twice would register its operators twice)."""
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setattr(csrc_cpu, "load", functools.cache(csrc_cpu.load.__wrapped__))
-
-
-@pytest.mark.usefixtures("_failing_build")
+@pytest.mark.usefixtures("failing_build")
 def test_a_failed_build_warns_and_falls_back_to_torch() -> None:
     batch = _batch(3, 16, 3, 64, torch.float32)
     backend = CpuAttentionBackend()

@@ -7,10 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import csrc_cpu
 from paged_llm.layers.kernels import ElementwiseKernels
 from paged_llm.layers.layernorm import RMSNorm
-from tests.layers.test_cpu_attention import _failing_build  # noqa: F401 - a fixture
 
 EPS = 1e-5
 
@@ -25,9 +23,7 @@ def _norms(hidden_size: int, dtype: torch.dtype) -> tuple[RMSNorm, RMSNorm]:
     return torch_norm, kernel_norm
 
 
-@pytest.fixture(autouse=True)
-def _kernel() -> None:
-    assert csrc_cpu.load(), "the C++ kernel must build where the tests run"
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 # float32: only the order of the sum of squares differs; bfloat16: the same roundings.
@@ -82,7 +78,7 @@ def test_per_head_norms_of_3d_views_stay_on_torch() -> None:
     assert torch.equal(kernel_norm(heads), torch_norm(heads))
 
 
-@pytest.mark.usefixtures("_failing_build")
+@pytest.mark.usefixtures("failing_build")
 def test_a_failed_build_makes_the_cpu_choice_torch() -> None:
     with pytest.warns(RuntimeWarning, match="could not be built"):
         assert ElementwiseKernels.CPU.usable() is ElementwiseKernels.TORCH

@@ -6,16 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import csrc_cpu
 from paged_llm.layers.kernels import ElementwiseKernels
 from paged_llm.layers.rotary import RotaryEmbedding
 
 PARAMS = {"rope_type": "default", "rope_theta": 10000.0}
 
 
-@pytest.fixture(autouse=True)
-def _kernel() -> None:
-    assert csrc_cpu.load(), "the C++ kernel must build where the tests run"
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -37,7 +37,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._kernels.store_kv(
             key, value, key_cache, value_cache, metadata.slot_mapping, k_scale, v_scale
         )
-        return self._kernels.paged_attention(
+        out: torch.Tensor = self._kernels.paged_attention(
             query,
             key_cache,
             value_cache,
@@ -51,3 +51,4 @@ class TritonAttentionBackend(AttentionBackend):
             k_scale=k_scale,
             v_scale=v_scale,
         )
+        return out

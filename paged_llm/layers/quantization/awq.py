@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from paged_llm.layers.quantization.grouped import GroupQuantizedWeight
+from paged_llm.layers.quantization.grouped_weight import GroupQuantizedWeight
 from paged_llm.layers.quantization.prequantized import (
     PackedProjectionsCheckpoint,
     decoder_projections,

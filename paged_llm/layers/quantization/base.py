@@ -3,13 +3,41 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from paged_llm.layers.linear import CheckpointPart, Linear
-    from paged_llm.layers.weights import CheckpointTensor
+from paged_llm.layers.quantization.grouped_weight import GroupQuantizedWeight
+from paged_llm.layers.weights import CheckpointPart, CheckpointTensor
+
+
+class QuantizableLayer(Protocol):
+    """What a `QuantizedLinearMethod` sees of the layer it quantizes (a `Linear`): its
+    shape, its ``weight``, its buffers, and how its checkpoint tensors map onto it.
+
+    NOTE: declared here rather than imported from layers.linear, which imports this
+    package: quantization stays below the layers that use it.
+    """
+
+    in_features: int
+    out_features: int
+    # The float weight, or whatever the method's `create_weights` put in its place.
+    weight: torch.Tensor
+    # Group-quantized weights by checkpoint shard, for a `GroupQuantizedLinearMethod`.
+    quantized_pieces: dict[int, GroupQuantizedWeight]
+
+    @property
+    def num_checkpoint_shards(self) -> int | None:
+        """How many checkpoint tensors fill the weight; None: one, under the layer's name."""
+
+    def checkpoint_part(self, loaded: CheckpointTensor, shard: int | None) -> CheckpointPart:
+        """What this rank keeps of checkpoint weight ``loaded``."""
+
+    def register_buffer(
+        self, name: str, tensor: torch.Tensor | None, persistent: bool = True
+    ) -> None: ...
+
+    def get_buffer(self, target: str) -> torch.Tensor: ...
 
 
 class QuantizedLinearMethod(ABC):
@@ -31,22 +59,28 @@ class QuantizedLinearMethod(ABC):
     quantizes_at_load: ClassVar[bool] = True
 
     @abstractmethod
-    def create_weights(self, layer: Linear) -> None:
+    def create_weights(self, layer: QuantizableLayer) -> None:
         """Replace the layer's float ``weight`` by the format's tensors."""
 
     @abstractmethod
-    def load_weight(self, layer: Linear, loaded: CheckpointTensor, part: CheckpointPart) -> None:
+    def load_weight(
+        self, layer: QuantizableLayer, loaded: CheckpointTensor, part: CheckpointPart
+    ) -> None:
         """Fill ``part.out_rows`` of the layer's weight from float checkpoint weight
         ``loaded``, of which this rank keeps ``part.rows`` and ``part.cols``."""
 
-    def process_weights_after_loading(self, layer: Linear) -> None:  # noqa: B027 - optional
+    def process_weights_after_loading(self, layer: QuantizableLayer) -> None:  # noqa: B027 - optional
         """Check or finish the layer's tensors once every checkpoint tensor is loaded."""
 
     @abstractmethod
-    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(
+        self, layer: QuantizableLayer, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         """``x @ W.T + bias`` for the layer's quantized ``W``, in the dtype of ``x``."""
 
-    def embedding(self, layer: Linear, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def embedding(
+        self, layer: QuantizableLayer, token_ids: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
         """Rows ``token_ids`` of the layer's weight in ``dtype`` (vLLM's ``embedding``),
         dequantizing only those rows."""
         raise NotImplementedError(f"{type(self).__name__} does not quantize embeddings.")

@@ -32,7 +32,7 @@ def resolve_quantization(requested: str | None, hf_config: Any) -> str | None:
             )
         return requested
     config = config if isinstance(config, dict) else config.to_dict()
-    method = config.get("quant_method")
+    method: str | None = config.get("quant_method")
     if method not in PRE_QUANTIZED_FORMATS:
         raise ValueError(
             f"This checkpoint is quantized with quant_method={method!r}; paged_llm loads "

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from paged_llm.layers.quantization.grouped import GroupQuantizedWeight
+from paged_llm.layers.quantization.grouped_weight import GroupQuantizedWeight
 from paged_llm.layers.quantization.prequantized import (
     LINEAR_MODULES,
     LM_HEAD,

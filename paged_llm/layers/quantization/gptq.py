@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from paged_llm.layers.quantization.grouped import GroupQuantizedWeight
+from paged_llm.layers.quantization.grouped_weight import GroupQuantizedWeight
 from paged_llm.layers.quantization.prequantized import (
     PackedProjectionsCheckpoint,
     refuse,

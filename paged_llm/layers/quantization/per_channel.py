@@ -3,18 +3,13 @@ weights."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from paged_llm.layers.kernels import triton_kernels
-from paged_llm.layers.quantization.base import QuantizedLinearMethod
-
-if TYPE_CHECKING:
-    from paged_llm.layers.linear import CheckpointPart, Linear
-    from paged_llm.layers.weights import CheckpointTensor
+from paged_llm.layers.quantization.base import QuantizableLayer, QuantizedLinearMethod
+from paged_llm.layers.weights import CheckpointPart, CheckpointTensor
 
 # The largest magnitude of each weight dtype's codes: int8 is kept symmetric (-127..127),
 # fp8 goes up to its largest finite value (448 for e4m3).
@@ -59,11 +54,11 @@ class PerChannelLinearMethod(QuantizedLinearMethod):
         # floating-point tensor, fp8 included, and the model is cast after it is built.
         self.storage_dtype = torch.uint8 if weight_dtype.is_floating_point else weight_dtype
 
-    def codes(self, layer: Linear) -> torch.Tensor:
+    def codes(self, layer: QuantizableLayer) -> torch.Tensor:
         """The layer's weight codes, in `weight_dtype`."""
         return layer.weight.view(self.weight_dtype)
 
-    def create_weights(self, layer: Linear) -> None:
+    def create_weights(self, layer: QuantizableLayer) -> None:
         shape = (layer.out_features, layer.in_features)
         layer.weight = nn.Parameter(
             torch.empty(shape, dtype=self.storage_dtype), requires_grad=False
@@ -72,7 +67,9 @@ class PerChannelLinearMethod(QuantizedLinearMethod):
         # scales in the activations' dtype.
         layer.register_buffer("weight_scale", torch.empty(layer.out_features))
 
-    def load_weight(self, layer: Linear, loaded: CheckpointTensor, part: CheckpointPart) -> None:
+    def load_weight(
+        self, layer: QuantizableLayer, loaded: CheckpointTensor, part: CheckpointPart
+    ) -> None:
         # Whole checkpoint rows, even where this rank keeps some of their columns: each
         # row's scale is the whole row's, so every rank quantizes as a single rank would.
         quantized, scale = quantize_per_channel(
@@ -84,15 +81,19 @@ class PerChannelLinearMethod(QuantizedLinearMethod):
         layer.weight.data[part.out_rows].copy_(quantized.view(self.storage_dtype))
         layer.get_buffer("weight_scale")[part.out_rows] = scale
 
-    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(
+        self, layer: QuantizableLayer, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         qweight, scale = self.codes(layer), layer.get_buffer("weight_scale")
         if self.triton:
-            out = triton_kernels().weight_only_matmul(x, qweight, scale)
+            out: torch.Tensor = triton_kernels().weight_only_matmul(x, qweight, scale)
         else:
             out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), qweight, scale)
         return out if bias is None else out.add_(bias)
 
-    def embedding(self, layer: Linear, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def embedding(
+        self, layer: QuantizableLayer, token_ids: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
         scale = layer.get_buffer("weight_scale")
         codes = F.embedding(token_ids, layer.weight).view(self.weight_dtype)
         return codes.to(dtype) * scale[token_ids, None].to(dtype)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from paged_llm.layers.quantization.grouped import GroupQuantizedWeight
+from paged_llm.layers.quantization.grouped_weight import GroupQuantizedWeight
 
 # transformers' names of every linear module of the architectures paged_llm runs: the
 # decoder projections, which a pre-quantized checkpoint may store quantized, and the LM

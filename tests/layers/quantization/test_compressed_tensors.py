@@ -62,14 +62,14 @@ def transformers_reference(model_dir: Path) -> transformers.PreTrainedModel:
 
 @pytest.fixture(scope="module")
 def compressed_model_dir(
-    tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+    llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[[str], Path]:
     made: dict[str, Path] = {}
 
     def make(scheme: str) -> Path:
         if scheme not in made:
             made[scheme] = tmp_path_factory.mktemp(scheme)
-            compress_with_the_library(tiny_model_dir("llama"), scheme, made[scheme])
+            compress_with_the_library(llama_dir, scheme, made[scheme])
         return made[scheme]
 
     return make
@@ -106,14 +106,12 @@ def reference_logprobs(model: transformers.PreTrainedModel, prompt: list[int]) -
 def test_logits_and_greedy_tokens_match_transformers_loading_the_checkpoint(
     scheme: str,
     compressed_model_dir: Callable[[str], Path],
-    tiny_model_dir: Callable[[str], Path],
+    llama_dir: Path,
     tokenizer: transformers.PreTrainedTokenizerBase,
 ) -> None:
     path = compressed_model_dir(scheme)
     reference = transformers_reference(path)
-    float_model = transformers.AutoModelForCausalLM.from_pretrained(
-        tiny_model_dir("llama"), dtype=torch.float32
-    )
+    float_model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
     prompts = _prompts(tokenizer)[:NUM_PROMPTS]
     prompt = prompts[1][:48]
     # quantization=None picks the format up from config.json, as in vLLM.

@@ -35,10 +35,10 @@ def fp8_round_trip(weight: torch.Tensor) -> torch.Tensor:
 
 
 def test_fp8_is_refused_on_cpu_naming_the_platform_and_the_alternative(
-    tiny_model_dir: Callable[[str], Path],
+    llama_dir: Path,
 ) -> None:
     with pytest.raises(ValueError, match=r"quantization='fp8'.*cpu platform.*'int8'"):
-        LLM(tiny_model_dir("llama"), quantization="fp8")
+        LLM(llama_dir, quantization="fp8")
 
 
 @pytest.mark.parametrize(

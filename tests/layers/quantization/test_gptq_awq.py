@@ -124,7 +124,7 @@ def quantization_config(method: str, group_size: int, act_order: bool = False) -
 
 @pytest.fixture(scope="module")
 def quantized_checkpoint(
-    tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+    llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[[str], tuple[Path, transformers.PreTrainedModel]]:
     """``(checkpoint dir, float reference with the dequantized weights)`` of one entry of
     ``CHECKPOINTS``, from the tiny Llama."""
@@ -134,7 +134,7 @@ def quantized_checkpoint(
         if name in made:
             return made[name]
         method, group_size, act_order = CHECKPOINTS[name]
-        source = tiny_model_dir("llama")
+        source = llama_dir
         model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
         tensors: dict[str, torch.Tensor] = {}
         generator = torch.Generator().manual_seed(0)

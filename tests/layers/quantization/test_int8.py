@@ -106,16 +106,14 @@ def test_greedy_matches_transformers_with_dequantized_weights(
 
 @pytest.mark.slow  # two rank processes: 16 s
 def test_two_ranks_quantize_each_row_with_its_whole_row_scale(
-    tiny_model_dir: Callable[[str], Path],
+    llama_dir: Path,
     int8_references: Callable[[str, bool], tuple[list[list[int]], list[list[int]]]],
 ) -> None:
     """The row-parallel projections hold half of each row per rank; a scale from half a
     row would make different int8 weights, and other tokens, than the reference's."""
-    settings, _ = group_settings(tiny_model_dir("llama"), "default")
+    settings, _ = group_settings(llama_dir, "default")
     prompts, expected = int8_references("llama", False)
-    with LLM(
-        tiny_model_dir("llama"), quantization="int8", tensor_parallel_size=2, **settings
-    ) as llm:
+    with LLM(llama_dir, quantization="int8", tensor_parallel_size=2, **settings) as llm:
         outputs, metrics = generate_greedy(llm, prompts)
     check_scenario("default", outputs, metrics, expected)
 
@@ -182,7 +180,7 @@ def test_int8_layers_keep_a_quarter_of_the_float32_weight_bytes() -> None:
 
 
 def test_unknown_quantization_names_the_setting_and_the_choices(
-    tiny_model_dir: Callable[[str], Path],
+    llama_dir: Path,
 ) -> None:
     with pytest.raises(ValueError, match=r"quantization='int4'.*None or 'int8'"):
-        LLM(tiny_model_dir("llama"), quantization="int4")
+        LLM(llama_dir, quantization="int4")
