@@ -205,8 +205,8 @@ class PagedLLMEngine(Engine):
     def settings(self) -> dict[str, Any]:
         config = self.llm.config
         return {
-            "max_num_seqs": config.max_num_seqs,
-            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "max_num_seqs": config.scheduler.max_num_seqs,
+            "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
             "max_model_len": config.max_model_len,
             "enable_prefix_caching": config.enable_prefix_caching,
             "tensor_parallel_size": config.tensor_parallel_size,
@@ -431,12 +431,17 @@ def default_vllm_python() -> Path:
 def batching_limits(options: EngineOptions) -> tuple[int, int]:
     """max_num_seqs and max_num_batched_tokens as paged_llm resolves them on the device, so
     that engines which take them run with paged_llm's limits."""
+    from paged_llm.engine_args import EngineArgs
     from paged_llm.platforms import get_platform
+    from paged_llm.settings import resolved_setting
 
-    platform = get_platform(options.device)
+    platform = get_platform(options.device).name
+    args = EngineArgs(
+        max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens
+    )
     return (
-        options.max_num_seqs or platform.default_max_num_seqs,
-        options.max_num_batched_tokens or platform.default_max_num_batched_tokens,
+        resolved_setting(args, "max_num_seqs", platform),
+        resolved_setting(args, "max_num_batched_tokens", platform),
     )
 
 

@@ -154,8 +154,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for index, concurrency in enumerate(args.concurrency)
         ]
         settings = {
-            "max_num_seqs": llm.config.max_num_seqs,
-            "max_num_batched_tokens": llm.config.max_num_batched_tokens,
+            "max_num_seqs": llm.config.scheduler.max_num_seqs,
+            "max_num_batched_tokens": llm.config.scheduler.max_num_batched_tokens,
             "max_model_len": llm.config.max_model_len,
         }
 

@@ -14,6 +14,7 @@ from paged_llm.layers.attention import ATTENTION_BACKENDS
 from paged_llm.layers.quantization.checkpoint_formats import resolve_quantization
 from paged_llm.model_files.gguf_quantized import gguf_source
 from paged_llm.platforms import Platform, get_platform
+from paged_llm.settings import resolved_setting
 
 _DTYPES = {
     "float32": torch.float32,
@@ -74,11 +75,24 @@ class ModelConfig:
         return vocab_size
 
 
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the scheduler batches (the `EngineArgs` of the same names, resolved)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    # False: a prompt is admitted only when all of it fits in the step's budget.
+    chunked_prefill: bool = True
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs, with defaults resolved.
 
-    Built by `LLM` from its `EngineArgs`; see those for the meaning of each field.
+    Built by `EngineConfig.create` from `EngineArgs`; a field of the same name as a setting
+    is that setting (see `EngineArgs` for its meaning), resolved against the model and the
+    platform where its default depends on them.
     """
 
     model_dir: Path
@@ -88,9 +102,7 @@ class EngineConfig:
     kv_cache_dtype: torch.dtype
     platform: Platform
     seed: int
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
+    scheduler: SchedulerConfig
     block_size: int
     enable_prefix_caching: bool
     kv_cache_memory_bytes: int | None
@@ -100,8 +112,6 @@ class EngineConfig:
     tensor_parallel_size: int
     data_parallel_size: int
     max_logprobs: int
-    # False: every prompt is scheduled whole (LLM's enable_chunked_prefill=False).
-    chunked_prefill: bool
     batch_invariant: bool
     quantization: str | None
     # Whether `quantization` covers the embedding and LM head too.
@@ -111,98 +121,17 @@ class EngineConfig:
     def device(self) -> torch.device:
         return self.platform.device
 
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
+
     @classmethod
     def create(cls, model_dir: Path, hf_config: Any, args: EngineArgs) -> EngineConfig:
-        """Resolve the defaults of ``args`` against the model and the platform, and validate
-        them; a ValueError names the setting, its value and what is allowed."""
+        """Resolve the defaults of ``args`` against the model and the platform, and check
+        what depends on them; a ValueError names the setting, its value and what is
+        allowed (`EngineArgs` has checked each setting on its own)."""
         platform = get_platform(args.device)
-        max_model_len = args.max_model_len
-        max_num_seqs = args.max_num_seqs
-        max_num_batched_tokens = args.max_num_batched_tokens
-        seed, block_size, max_logprobs = args.seed, args.block_size, args.max_logprobs
-        kv_cache_memory_bytes = args.kv_cache_memory_bytes
-        gpu_memory_utilization = args.gpu_memory_utilization
-        attention_backend = args.attention_backend
-        chunked_prefill = args.enable_chunked_prefill is not False
-        model_max_len = getattr(hf_config, "max_position_embeddings", None)
-        if max_model_len is None:
-            if model_max_len is None:
-                raise ValueError(
-                    "The model config has no max_position_embeddings; pass max_model_len."
-                )
-            max_model_len = model_max_len
-        _check(
-            isinstance(max_model_len, int) and max_model_len >= 2,
-            "max_model_len",
-            max_model_len,
-            "an integer >= 2",
-        )
-        if model_max_len is not None and max_model_len > model_max_len:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's maximum context length "
-                f"(max_position_embeddings={model_max_len}); use max_model_len <= {model_max_len}."
-            )
-        if max_num_seqs is None:
-            max_num_seqs = platform.default_max_num_seqs
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = platform.default_max_num_batched_tokens
-            if not chunked_prefill:
-                max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
-        if seed is None:
-            seed = secrets.randbits(63)
-        _check(isinstance(seed, int) and not isinstance(seed, bool), "seed", seed, "an int or None")
-        _check(
-            isinstance(max_num_seqs, int) and max_num_seqs >= 1,
-            "max_num_seqs",
-            max_num_seqs,
-            "an integer >= 1",
-        )
-        _check(
-            isinstance(max_num_batched_tokens, int) and max_num_batched_tokens >= 1,
-            "max_num_batched_tokens",
-            max_num_batched_tokens,
-            "an integer >= 1",
-        )
-        _check(
-            isinstance(block_size, int) and block_size >= 1 and block_size & (block_size - 1) == 0,
-            "block_size",
-            block_size,
-            "a power of two (16 is usual)",
-        )
-        _check(
-            kv_cache_memory_bytes is None
-            or (isinstance(kv_cache_memory_bytes, int) and kv_cache_memory_bytes > 0),
-            "kv_cache_memory_bytes",
-            kv_cache_memory_bytes,
-            "a positive integer or None",
-        )
-        _check(
-            0.0 < gpu_memory_utilization <= 1.0,
-            "gpu_memory_utilization",
-            gpu_memory_utilization,
-            "in (0, 1]",
-        )
-        _check(
-            attention_backend == "auto" or attention_backend in ATTENTION_BACKENDS,
-            "attention_backend",
-            attention_backend,
-            "'auto' or one of " + ", ".join(repr(name) for name in sorted(ATTENTION_BACKENDS)),
-        )
-        _check(
-            isinstance(max_logprobs, int)
-            and not isinstance(max_logprobs, bool)
-            and max_logprobs >= -1,
-            "max_logprobs",
-            max_logprobs,
-            "an integer >= 0, or -1 for the whole vocabulary",
-        )
-        if not chunked_prefill and max_num_batched_tokens < max_model_len:
-            raise ValueError(
-                f"LLM argument max_num_batched_tokens={max_num_batched_tokens} is smaller than "
-                f"max_model_len={max_model_len}, and enable_chunked_prefill=False schedules "
-                "each prompt whole, so longer prompts could never run. Raise "
-                "max_num_batched_tokens, lower max_model_len, or enable chunked prefill."
-            )
+        scheduler = _scheduler_config(args, hf_config, platform)
         _check_parallel_sizes(
             hf_config, platform, args.tensor_parallel_size, args.data_parallel_size
         )
@@ -212,6 +141,7 @@ class EngineConfig:
                 f"tensor_parallel_size={args.tensor_parallel_size} needs one per rank; use "
                 "distributed_executor_backend='mp' (or None)."
             )
+        attention_backend = args.attention_backend
         if attention_backend == "auto":
             attention_backend = platform.default_attention_backend
         if attention_backend == "triton" and not platform.runs_triton():
@@ -220,23 +150,11 @@ class EngineConfig:
                 "TRITON_INTERPRET=1 before importing paged_llm (slow; meant for tests), or use "
                 "attention_backend='cpu' (the CPU default)."
             )
-        _check(
-            isinstance(args.batch_invariant, bool),
-            "batch_invariant",
-            args.batch_invariant,
-            "a bool",
-        )
         if args.batch_invariant:
             _check_batch_invariance(attention_backend, args.tensor_parallel_size)
         dtype = resolve_dtype(args.dtype, hf_config, platform)
         kv_cache_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype] or dtype
         platform.check_kv_cache_dtype(kv_cache_dtype, attention_backend)
-        _check(
-            isinstance(args.quantize_embeddings, bool),
-            "quantize_embeddings",
-            args.quantize_embeddings,
-            "a bool",
-        )
         platform.check_quantization(args.quantization)
         if args.quantization == "gguf" and gguf_source(model_dir) is None:
             raise ValueError(
@@ -249,14 +167,11 @@ class EngineConfig:
             "dtype": dtype,
             "kv_cache_dtype": kv_cache_dtype,
             "platform": platform,
-            "max_model_len": max_model_len,
-            "max_num_seqs": max_num_seqs,
-            "max_num_batched_tokens": max_num_batched_tokens,
+            "scheduler": scheduler,
             "enable_prefix_caching": bool(args.enable_prefix_caching),
             "enforce_eager": bool(args.enforce_eager),
             "attention_backend": attention_backend,
-            "chunked_prefill": chunked_prefill,
-            "seed": seed,
+            "seed": secrets.randbits(63) if args.seed is None else args.seed,
             "quantization": resolve_quantization(args.quantization, hf_config),
         }
         # The other fields are settings taken as given, under the same names.
@@ -268,6 +183,40 @@ class EngineConfig:
                 if setting.name not in resolved
             },
         )
+
+
+def _scheduler_config(args: EngineArgs, hf_config: Any, platform: Platform) -> SchedulerConfig:
+    """The scheduler's settings: platform defaults filled in, max_model_len from the model."""
+    model_max_len = getattr(hf_config, "max_position_embeddings", None)
+    max_model_len = args.max_model_len
+    if max_model_len is None:
+        if model_max_len is None:
+            raise ValueError("The model config has no max_position_embeddings; pass max_model_len.")
+        max_model_len = model_max_len
+    if model_max_len is not None and max_model_len > model_max_len:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's maximum context length "
+            f"(max_position_embeddings={model_max_len}); use max_model_len <= {model_max_len}."
+        )
+    chunked_prefill = args.enable_chunked_prefill is not False
+    settings = {
+        setting.name: resolved_setting(args, setting.name, platform.name)
+        for setting in fields(SchedulerConfig)
+        if setting.name not in ("max_model_len", "chunked_prefill")
+    }
+    if not chunked_prefill:
+        if args.max_num_batched_tokens is None:
+            settings["max_num_batched_tokens"] = max(
+                settings["max_num_batched_tokens"], max_model_len
+            )
+        elif args.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"LLM argument max_num_batched_tokens={args.max_num_batched_tokens} is smaller "
+                f"than max_model_len={max_model_len}, and enable_chunked_prefill=False "
+                "schedules each prompt whole, so longer prompts could never run. Raise "
+                "max_num_batched_tokens, lower max_model_len, or enable chunked prefill."
+            )
+    return SchedulerConfig(**settings, max_model_len=max_model_len, chunked_prefill=chunked_prefill)
 
 
 def _check_batch_invariance(attention_backend: str, tensor_parallel_size: int) -> None:
@@ -290,16 +239,6 @@ def _check_parallel_sizes(
     hf_config: Any, platform: Platform, tensor_parallel_size: int, data_parallel_size: int
 ) -> None:
     """Whether the model splits into ``tensor_parallel_size`` shards, and the devices suffice."""
-    for name, size in (
-        ("tensor_parallel_size", tensor_parallel_size),
-        ("data_parallel_size", data_parallel_size),
-    ):
-        _check(
-            isinstance(size, int) and not isinstance(size, bool) and size >= 1,
-            name,
-            size,
-            "an integer >= 1",
-        )
     tp = tensor_parallel_size
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
@@ -326,8 +265,3 @@ def _check_parallel_sizes(
 def _splits(tp: int, num_heads: int, num_kv_heads: int, intermediate: int) -> bool:
     kv_ok = num_kv_heads % tp == 0 or tp % num_kv_heads == 0
     return num_heads % tp == 0 and intermediate % tp == 0 and kv_ok
-
-
-def _check(ok: bool, name: str, value: object, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"LLM argument {name} must be {allowed}, got {value!r}.")

@@ -13,14 +13,11 @@ import enum
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
 from paged_llm.layers.kernels import ElementwiseKernels
-
-if TYPE_CHECKING:
-    from paged_llm.config import EngineConfig
 
 # Share of the RAM available at start-up that the KV cache may take on CPU when no
 # kv_cache_memory_bytes is given.
@@ -66,10 +63,6 @@ class Platform:
     default_attention_backend: ClassVar[str] = "torch"
     # torch.distributed backend of the tensor-parallel group.
     distributed_backend: ClassVar[str] = "gloo"
-    # A GPU step is cheap, so big batches pay; on a CPU a step of 8192 tokens takes many
-    # seconds, and smaller steps keep latency sane.
-    default_max_num_seqs: ClassVar[int] = 64
-    default_max_num_batched_tokens: ClassVar[int] = 2048
     # The setting to name when the KV cache is too small.
     kv_budget_setting: ClassVar[str] = "kv_cache_memory_bytes"
     # dtype="auto": the checkpoint's dtype, or float32 (a CPU's fast path).
@@ -92,9 +85,16 @@ class Platform:
         return self.device.type == "cuda" or triton_interpreter_enabled()
 
     def kv_cache_budget_bytes(
-        self, config: EngineConfig, kv_bytes_per_token: int, profile_step: Callable[[], None]
+        self,
+        requested_bytes: int | None,
+        gpu_memory_utilization: float,
+        most_useful_bytes: int,
+        profile_step: Callable[[], None],
     ) -> int:
-        """Bytes the KV cache may take; ``profile_step`` runs the largest step once."""
+        """Bytes the KV cache may take: ``requested_bytes`` (kv_cache_memory_bytes) when
+        given, else what the platform can spare, of which at most ``most_useful_bytes``
+        (max_num_seqs full-length sequences) could ever be used; ``profile_step`` runs the
+        largest step once."""
         raise NotImplementedError
 
     def check_kv_cache_dtype(self, kv_cache_dtype: torch.dtype, attention_backend: str) -> None:
@@ -152,15 +152,17 @@ class CpuPlatform(Platform):
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // tp_size))
 
     def kv_cache_budget_bytes(
-        self, config: EngineConfig, kv_bytes_per_token: int, profile_step: Callable[[], None]
+        self,
+        requested_bytes: int | None,
+        gpu_memory_utilization: float,
+        most_useful_bytes: int,
+        profile_step: Callable[[], None],
     ) -> int:
         # NOTE: profile_step is not run: a CPU has no allocator statistics to learn from,
-        # so the cache takes a fixed share of free RAM, and no more than max_num_seqs
-        # full-length sequences could ever use.
-        if config.kv_cache_memory_bytes is not None:
-            return config.kv_cache_memory_bytes
-        most_useful = config.max_num_seqs * config.max_model_len * kv_bytes_per_token
-        return min(int(available_ram_bytes() * CPU_KV_CACHE_RAM_FRACTION), most_useful)
+        # so the cache takes a fixed share of free RAM, and no more than it could use.
+        if requested_bytes is not None:
+            return requested_bytes
+        return min(int(available_ram_bytes() * CPU_KV_CACHE_RAM_FRACTION), most_useful_bytes)
 
 
 class CudaPlatform(Platform):
@@ -172,8 +174,6 @@ class CudaPlatform(Platform):
     triton_linear = True
     default_attention_backend = "triton"
     distributed_backend = "nccl"
-    default_max_num_seqs = 256
-    default_max_num_batched_tokens = 8192
     kv_budget_setting = "gpu_memory_utilization (or kv_cache_memory_bytes)"
     auto_dtype_from_checkpoint = True
 
@@ -206,7 +206,11 @@ class CudaPlatform(Platform):
             )
 
     def kv_cache_budget_bytes(
-        self, config: EngineConfig, kv_bytes_per_token: int, profile_step: Callable[[], None]
+        self,
+        requested_bytes: int | None,
+        gpu_memory_utilization: float,
+        most_useful_bytes: int,
+        profile_step: Callable[[], None],
     ) -> int:
         """What is left of ``gpu_memory_utilization`` of the device after the weights, the
         activations of one full step (measured by running one) and other processes."""
@@ -218,12 +222,12 @@ class CudaPlatform(Platform):
         self.synchronize()
         peak = self.peak_memory_bytes()
         self.empty_cache()
-        if config.kv_cache_memory_bytes is not None:
-            return config.kv_cache_memory_bytes
+        if requested_bytes is not None:
+            return requested_bytes
         memory = self.memory_snapshot()
         # Memory other processes and the CUDA context hold is unavailable to us as well.
         used_by_others = memory.total - memory.free - memory.reserved
-        return int(memory.total * config.gpu_memory_utilization) - peak - used_by_others
+        return int(memory.total * gpu_memory_utilization) - peak - used_by_others
 
     # Memory accounting: the primitives a fake GPU replaces with numbers of its own.
 

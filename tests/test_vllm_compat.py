@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -14,12 +14,15 @@ import pytest
 import torch
 
 import paged_llm
+import paged_llm.frontend.model_info as model_info_module
 import paged_llm.llm as llm_module
 from paged_llm import LLM, SamplingParams
 from paged_llm.cli import build_parser
-from paged_llm.engine_args import EngineArgs, cli_settings, settings_of_kind
+from paged_llm.engine_args import EngineArgs
 from paged_llm.exceptions import VLLMValidationError
 from paged_llm.inputs import TextPrompt, TokensPrompt
+from paged_llm.settings import rewrite_generated_tables, settings_of_kind
+from paged_llm.settings_docs import DOCS_COMMAND, main
 
 MAX_MODEL_LEN = 128
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -33,11 +36,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def model_dir(
-    tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
-) -> Path:
+def model_dir(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny llama with a generation_config.json that recommends sampling values."""
-    source = tiny_model_dir("llama")
+    source = llama_dir
     folder = tmp_path_factory.mktemp("llama-recommended")
     for item in source.iterdir():
         if item.name != "generation_config.json":
@@ -98,7 +99,7 @@ def test_lm_evals_model_args_build_an_llm_that_generates_as_the_plain_one(
         "enable_lora": False,
         "max_lora_rank": 16,
     }
-    no_ops = {setting.name: setting.default for setting in settings_of_kind("no-op")}
+    no_ops = {setting.name: setting.default for setting in settings_of_kind(EngineArgs, "no-op")}
     no_ops.update(swap_space=0, download_dir="/nowhere", compilation_config={"level": 3})
     settings = {**no_ops, **model_args, "load_format": "auto", "cpu_offload_gb": 0.0}
     with LLM(**settings) as vllm_style:
@@ -161,18 +162,24 @@ def test_vllm_arguments_paged_llm_cannot_honour_raise_a_value_error_naming_them(
         LLM(model_dir, **argument)
 
 
-def test_every_llm_argument_is_documented_in_usage_md() -> None:
+def test_usage_md_settings_tables_are_generated_from_engine_args() -> None:
     usage = (REPO_ROOT / "docs" / "usage.md").read_text()
-    missing = [s.name for s in fields(EngineArgs) if f"`{s.name}`" not in usage]
+    # NOTE: it raises where a field is in no generated table of the page.
+    generated = rewrite_generated_tables(usage, EngineArgs, DOCS_COMMAND)
+    assert generated == usage, f"docs/usage.md's settings tables are stale: run {DOCS_COMMAND}"
+    missing = [s.name for s in fields(EngineArgs) if f"\n| `{s.name}` | " not in usage]
     assert missing == []
-    # The no-op and refused tables say why with the fields' own docs.
-    stale = [
-        s.name
-        for kind in ("no-op", "refused")
-        for s in settings_of_kind(kind)
-        if f"| `{s.name}` | `{s.default!r}` | {s.metadata['doc']} |" not in usage
-    ]
-    assert stale == []
+
+
+def test_the_docs_command_rewrites_a_stale_table_in_place(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    usage = (REPO_ROOT / "docs" / "usage.md").read_text()
+    page = tmp_path / "usage.md"
+    page.write_text(usage.replace("| `block_size` | `16` |", "| `block_size` | `8` |"))
+    main([str(page)])
+    assert page.read_text() == usage
+    assert capsys.readouterr().out == f"{page}: rewritten\n"
 
 
 def test_the_clis_engine_flags_are_generated_from_engine_args() -> None:
@@ -180,7 +187,7 @@ def test_the_clis_engine_flags_are_generated_from_engine_args() -> None:
     flags = "--kv-cache-memory 2GiB --no-prefix-caching --trust-remote-code --max-model-len 64"
     flags += " --no-enable-chunked-prefill --gpu-memory-utilization 0.5"
     args = parser.parse_args(["generate", "-i", "in.jsonl", "-o", "out.jsonl", *flags.split()])
-    assert cli_settings(args) == {
+    assert EngineArgs.cli_kwargs(args) == {
         "kv_cache_memory_bytes": 2 * 2**30,
         "enable_prefix_caching": False,
         "trust_remote_code": True,
@@ -189,7 +196,7 @@ def test_the_clis_engine_flags_are_generated_from_engine_args() -> None:
         "gpu_memory_utilization": 0.5,
     }
     # Unset flags pass nothing, so LLM keeps its own defaults.
-    assert cli_settings(parser.parse_args(["generate", "-i", "a", "-o", "b"])) == {}
+    assert EngineArgs.cli_kwargs(parser.parse_args(["generate", "-i", "a", "-o", "b"])) == {}
 
 
 def test_trust_remote_code_and_tokenizer_mode_reach_transformers(
@@ -197,7 +204,7 @@ def test_trust_remote_code_and_tokenizer_mode_reach_transformers(
 ) -> None:
     calls: dict[str, dict[str, Any]] = {}
     for name in ("AutoConfig", "AutoTokenizer"):
-        loader = getattr(llm_module, name)
+        loader = getattr(model_info_module, name)
         original = loader.from_pretrained
 
         def spy(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
@@ -272,7 +279,7 @@ def test_enable_chunked_prefill_false_schedules_prompts_whole(
 ) -> None:
     assert isinstance(tuned.engine, llm_module.LLMEngine)
     assert tuned.engine.scheduler.config.chunked_prefill is False
-    assert tuned.config.max_num_batched_tokens >= tuned.config.max_model_len
+    assert tuned.config.scheduler.max_num_batched_tokens >= tuned.config.max_model_len
     assert _greedy_ids(tuned, "Hello there") == _greedy_ids(llm, "Hello there")
     with pytest.raises(
         ValueError, match=r"max_num_batched_tokens=32 is smaller than max_model_len=64"
