@@ -32,6 +32,7 @@ from benchmarks.models import (
 )
 from benchmarks.report import format_table, machine_info, write_json
 from paged_llm import LLM
+from paged_llm.engine.request import EngineRequest
 
 # HBM3e bandwidth of an H200 by the vendor's datasheet.
 H200_BANDWIDTH_GBPS = 4800.0
@@ -92,7 +93,7 @@ def time_decode(llm: LLM, batch_size: int, context_len: int, steps: int, device:
     params = greedy_params(steps + 8)
     for i in range(batch_size):
         prompt = torch.randint(100, 20000, (context_len,), generator=generator).tolist()
-        engine.add_request(f"decode-{batch_size}-{i}", None, prompt, params)
+        engine.add_request(EngineRequest(f"decode-{batch_size}-{i}", None, prompt, params))
     # Prefill (and the first sampled token of each sequence), then a few warm-up decodes.
     while engine.scheduler.waiting or any(
         seq.num_output_tokens == 0 for seq in engine.scheduler.running

@@ -1,2 +1,3 @@
-"""Execution past one device: tensor-parallel worker processes (one model sharded over
-several ranks) and data-parallel replicas (several engines fed by one `LLM`)."""
+"""What runs past one process, below the engine: tensor-parallel collectives (`group`) and
+the supervision of child processes, tensor-parallel workers and data-parallel replicas
+alike (`supervisor`)."""

@@ -2,17 +2,25 @@
 
 A beam search request starts as one sequence, its prompt. Its beams run through the
 scheduler like any sequence, asking the model runner for ``2 * beam_width`` logprobs, so
-that one forward scores every beam of every request. Once all live beams of a request are
-scored, `BeamSearcher.step` picks its next beams:
+that one forward scores every beam of every request. The request chooses its tokens
+externally (``Request.tokens_chosen_externally``), so the scheduler appends no sampled
+token to a scored beam: the beam awaits an external step (skipped, and paused without its
+blocks where others need them) until all live beams of its request are scored. Then
+`BeamSearcher.step` picks the request's next beams:
 
 - every beam offers the ``2 * beam_width`` most likely next tokens of the model's raw
   distribution (and, above temperature 0, the token the sampler drew where it is not
   among them), each scored ``cum_logprob + logprob``;
 - a candidate ending in EOS (unless ``ignore_eos``) completes: it is set aside, finished;
 - the ``beam_width`` best other candidates are the next beams. The first taken from a beam
-  continues that beam's sequence in place; each further one forks it, sharing its full
-  blocks (`Scheduler.fork`) and recomputing only the partial last block. A beam nothing
-  was taken from is released at once, and its blocks with it.
+  continues that beam's sequence in place (`Scheduler.resume`); each further one forks
+  it, sharing its full blocks (`Scheduler.fork`) and recomputing only the partial last
+  block. A beam nothing was taken from is released at once, and its blocks with it.
+
+The best beam reserves places in ``max_num_seqs`` for the beams its request lacks of
+``beam_width`` (``Sequence.num_reserved_seqs``), so that forks always find one. The search
+state stays here, in `BeamSearcher.searches`; the engine's core knows only the generic
+state.
 
 After ``max_tokens`` steps (or at ``max_model_len``) the live beams finish too ("length"),
 and the result is the ``beam_width`` best of all finished beams by
@@ -27,9 +35,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from paged_llm.engine.request import EngineRequest
 from paged_llm.engine.scheduler import Scheduler
-from paged_llm.engine.sequence import FinishReason, RawLogprobs, Request, Sequence, derive_seed
+from paged_llm.engine.sequence import FinishReason, RawLogprobs, Request, Sequence
 from paged_llm.sampling_params import BeamSearchParams, SamplingParams
+from paged_llm.seeds import derive_seed
 from paged_llm.structured_outputs.xgrammar_backend import SequenceGrammar
 
 
@@ -52,13 +62,16 @@ class FinishedBeam:
 
     def score(self, length_penalty: float) -> float:
         length = len(self.token_ids) - (self.finish_reason is FinishReason.STOP)
-        return self.cum_logprob / length**length_penalty
+        # int ** float is typed Any (a negative base gives a complex); length is positive.
+        penalty: float = length**length_penalty
+        return self.cum_logprob / penalty
 
 
 @dataclass(slots=True)
 class BeamSearchState:
     """One request's search: its live beams (best first) and the beams finished so far."""
 
+    request: Request
     params: BeamSearchParams
     # params.max_tokens, or fewer where max_model_len ends the sequences first.
     max_tokens: int
@@ -67,8 +80,6 @@ class BeamSearchState:
     finished: list[FinishedBeam] = field(default_factory=list)
     # Sequences made so far: the next fork's index (and seed).
     num_seqs: int = 1
-    # The beam_width best finished beams, best first, once the search is over.
-    result: list[FinishedBeam] | None = None
 
 
 def _candidates(row: RawLogprobs) -> Iterator[tuple[int, float]]:
@@ -91,18 +102,16 @@ class BeamSearcher:
         self.eos_token_ids = eos_token_ids
         # Shared with the engine: sequence ids are unique across all requests.
         self._seq_ids = seq_ids
+        # The searches not over yet, by request id.
+        self.searches: dict[str, BeamSearchState] = {}
 
     def add_request(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: BeamSearchParams,
-        base_seed: int,
-        grammar: SequenceGrammar | None,
+        self, request: EngineRequest, base_seed: int, grammar: SequenceGrammar | None
     ) -> Request:
         """Queue a validated beam search; the first beam is the prompt itself, with the
         request's grammar, if any (each fork continues a copy of its parent's)."""
+        params = request.params
+        assert isinstance(params, BeamSearchParams)
         # NOTE: the runner computes logprobs (and, above temperature 0, draws a token) for
         # these params; the beam search alone decides what a beam appends, so nothing in
         # them ends a sequence.
@@ -114,36 +123,52 @@ class BeamSearcher:
             detokenize=False,
         )
         max_tokens = min(
-            params.max_tokens, self.scheduler.config.max_model_len - len(prompt_token_ids)
+            params.max_tokens,
+            self.scheduler.config.max_model_len - len(request.prompt_token_ids),
         )
-        state = BeamSearchState(params, max_tokens, base_seed, beams=[])
-        request = Request(
-            request_id, prompt, prompt_token_ids, sampling_params, time.time(), beam_search=state
+        state = Request(
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            sampling_params,
+            time.time(),
+            tokens_chosen_externally=True,
         )
-        root = Sequence(next(self._seq_ids), request, derive_seed(base_seed, 0), 0, grammar)
-        state.beams.append(Beam(root, 0.0))
-        request.seqs = [root]
+        root = Sequence(next(self._seq_ids), state, derive_seed(base_seed, 0), 0, grammar)
+        root.num_reserved_seqs = params.beam_width - 1
+        state.seqs = [root]
+        self.searches[request.request_id] = BeamSearchState(
+            state, params, max_tokens, base_seed, beams=[Beam(root, 0.0)]
+        )
         self.scheduler.add(root)
-        return request
+        return state
 
-    def step(self, seqs: list[Sequence]) -> list[Request]:
+    def step(self, seqs: list[Sequence]) -> list[tuple[Request, list[FinishedBeam]]]:
         """Advance the searches whose beams are all scored now; ``seqs`` are the sequences
-        the step scored. Return the requests whose search is over (``result`` set)."""
-        requests = {
-            id(seq.request): seq.request for seq in seqs if seq.request.beam_search is not None
+        the step scored. Return each search that is over with its ``beam_width`` best
+        beams, best first."""
+        # In the order of the step's sequences: forks take sequence ids in that order.
+        scored = {
+            seq.request_id: search
+            for seq in seqs
+            if (search := self.searches.get(seq.request_id)) is not None
         }
         finished = []
-        for request in requests.values():
-            state = request.beam_search
-            assert state is not None
-            if all(beam.seq.awaits_beam_step for beam in state.beams) and self._advance(
-                request, state
-            ):
-                finished.append(request)
+        for request_id, state in scored.items():
+            if all(beam.seq.awaits_external_step for beam in state.beams):
+                result = self._advance(state)
+                if result is not None:
+                    del self.searches[request_id]
+                    finished.append((state.request, result))
         return finished
 
-    def _advance(self, request: Request, state: BeamSearchState) -> bool:
-        """One beam step; return whether the search is over."""
+    def abort_all(self) -> None:
+        """Forget every search (`Scheduler.abort_all` drops their sequences)."""
+        self.searches.clear()
+
+    def _advance(self, state: BeamSearchState) -> list[FinishedBeam] | None:
+        """One beam step; return the result once the search is over."""
+        request = state.request
         params = state.params
         candidates: list[tuple[Sequence, int, float]] = []
         for beam in state.beams:
@@ -185,17 +210,16 @@ class BeamSearcher:
             )
             for beam in state.beams:
                 self.scheduler.release(beam.seq)
-            state.result = sorted(
+            return sorted(
                 state.finished, key=lambda b: b.score(params.length_penalty), reverse=True
             )[: params.beam_width]
-            return True
 
         # Forks first: they copy their parent's tokens before it appends its own.
         next_tokens: dict[int, int] = {}
         next_beams = []
         for parent, token_id, cum_logprob in chosen:
             if parent.seq_id in next_tokens:
-                child = self._fork(request, state, parent, token_id)
+                child = self._fork(state, parent, token_id)
             else:
                 next_tokens[parent.seq_id] = token_id
                 child = parent
@@ -209,14 +233,15 @@ class BeamSearcher:
                 seq.token_ids.append(next_token)
                 if seq.grammar is not None:
                     seq.grammar.accept(next_token)
-                self.scheduler.continue_beam(seq)
+                self.scheduler.resume(seq)
+        # NOTE: only the best beam holds the reservation, so that it is counted once.
+        state.beams[0].seq.num_reserved_seqs = 0
+        next_beams[0].seq.num_reserved_seqs = params.beam_width - len(next_beams)
         state.beams = next_beams
         request.seqs = [beam.seq for beam in next_beams]
-        return False
+        return None
 
-    def _fork(
-        self, request: Request, state: BeamSearchState, parent: Sequence, token_id: int
-    ) -> Sequence:
+    def _fork(self, state: BeamSearchState, parent: Sequence, token_id: int) -> Sequence:
         index = state.num_seqs
         state.num_seqs += 1
         grammar = None
@@ -224,7 +249,7 @@ class BeamSearcher:
             grammar = parent.grammar.fork()
             grammar.accept(token_id)
         child = Sequence(
-            next(self._seq_ids), request, derive_seed(state.base_seed, index), index, grammar
+            next(self._seq_ids), state.request, derive_seed(state.base_seed, index), index, grammar
         )
         child.token_ids = [*parent.token_ids, token_id]
         child.logprobs = list(parent.logprobs)

@@ -9,15 +9,17 @@ from dataclasses import astuple, dataclass, replace
 from transformers import PreTrainedTokenizerBase
 
 from paged_llm.config import EngineConfig
-from paged_llm.distributed.executor import create_executor
 from paged_llm.engine.beam_search import BeamSearcher
 from paged_llm.engine.block_manager import BlockManager
+from paged_llm.engine.executor import create_executor
 from paged_llm.engine.model_runner import ModelRunner
 from paged_llm.engine.output_processor import OutputProcessor
-from paged_llm.engine.scheduler import Scheduler, SchedulerConfig
-from paged_llm.engine.sequence import FinishReason, Request, Sequence, derive_seed
+from paged_llm.engine.request import EngineRequest
+from paged_llm.engine.scheduler import Scheduler
+from paged_llm.engine.sequence import FinishReason, Request, Sequence
 from paged_llm.outputs import RequestOutput
-from paged_llm.sampling_params import BeamSearchParams, SamplingParams
+from paged_llm.sampling_params import BeamSearchParams
+from paged_llm.seeds import derive_seed, request_seed
 from paged_llm.structured_outputs.xgrammar_backend import GrammarCompiler, SequenceGrammar
 
 
@@ -66,16 +68,7 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=config.max_model_len,
-                eos_token_ids=eos_token_ids,
-                chunked_prefill=config.chunked_prefill,
-            ),
-            self.block_manager,
-        )
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_token_ids)
         self.output_processor = OutputProcessor(tokenizer)
         # On rank 0 only, with the sequences: other ranks never sample. An LLM without a
         # tokenizer refuses structured outputs up front, so it needs no compiler.
@@ -96,57 +89,50 @@ class LLMEngine:
         """Rank 0's runner."""
         return self.executor.runner
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams | BeamSearchParams,
-        bad_words_token_ids: list[list[int]] | None = None,
-    ) -> Request:
+    def add_request(self, request: EngineRequest) -> Request:
         """Queue a validated request: a generation, or a beam search (its output lists the
         beams best first, see `OutputProcessor.make_beam_search_output`).
 
         Sequence i of the request draws from seed (base, i), where base is the request's
-        own seed or else the engine seed with the request's arrival number, so that a
-        rerun of the same submission reproduces every draw.
+        own seed or else `request_seed` of the engine seed and the request's arrival
+        number, so that a rerun of the same submission reproduces every draw.
         """
         serial = self._num_requests
         self._num_requests += 1
-        self._num_prompt_tokens += len(prompt_token_ids)
-        compiled = None
+        self._num_prompt_tokens += len(request.prompt_token_ids)
+        params = request.params
+        grammar = None
         if params.structured_outputs is not None:
             assert self.grammar_compiler is not None, "LLM checks for a tokenizer"
-            compiled = self.grammar_compiler.compile(params.structured_outputs)
+            grammar = self.grammar_compiler.compile(params.structured_outputs)
+        arrival_seed = request_seed(self.config.seed, serial)
         if isinstance(params, BeamSearchParams):
             return self.beam_searcher.add_request(
-                request_id,
-                prompt,
-                prompt_token_ids,
-                params,
-                derive_seed(self.config.seed, serial),
-                None if compiled is None else SequenceGrammar(compiled),
+                request, arrival_seed, None if grammar is None else SequenceGrammar(grammar)
             )
-        base_seed = (
-            params.seed if params.seed is not None else derive_seed(self.config.seed, serial)
+        base_seed = params.seed if params.seed is not None else arrival_seed
+        state = Request(
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            params,
+            time.time(),
+            request.bad_words_token_ids,
         )
-        request = Request(
-            request_id, prompt, prompt_token_ids, params, time.time(), bad_words_token_ids
-        )
-        request.seqs = [
+        state.seqs = [
             Sequence(
                 next(self._seq_ids),
-                request,
+                state,
                 derive_seed(base_seed, index),
                 index,
-                None if compiled is None else SequenceGrammar(compiled),
+                None if grammar is None else SequenceGrammar(grammar),
             )
             for index in range(params.n)
         ]
-        parent = request.seqs[0]
-        parent.pending_forks = request.seqs[1:]
+        parent = state.seqs[0]
+        parent.pending_forks = state.seqs[1:]
         self.scheduler.add(parent)
-        return request
+        return state
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -186,11 +172,15 @@ class LLMEngine:
             self.output_processor.make_output(request)
             for request in _unique_requests(finished)
             if request.is_finished
-        ] + [self.output_processor.make_beam_search_output(request) for request in searched]
+        ] + [
+            self.output_processor.make_beam_search_output(request, beams)
+            for request, beams in searched
+        ]
 
     def abort_all(self) -> None:
         """Drop every unfinished request and release its blocks."""
         self.scheduler.abort_all()
+        self.beam_searcher.abort_all()
         self.output_processor.reset()
 
     def get_metrics(self) -> EngineMetrics:

@@ -204,8 +204,12 @@ class ModelRunner:
             ),
         )
         self.attention_backend.setup(self.kv_cache_layout, self.config.batch_invariant)
+        config = self.config
         budget = self.platform.kv_cache_budget_bytes(
-            self.config, self.kv_bytes_per_token, self._profile_step
+            config.kv_cache_memory_bytes,
+            config.gpu_memory_utilization,
+            config.scheduler.max_num_seqs * config.max_model_len * self.kv_bytes_per_token,
+            self._profile_step,
         )
         # Every rank holds the same blocks, so the smallest budget decides.
         self.num_blocks = self._allocate_kv_cache(self.tp.min_over_ranks(budget))
@@ -224,7 +228,7 @@ class ModelRunner:
         with torch.inference_mode():
             graphs = DecodeGraphs(
                 self.model,
-                self.config.max_num_seqs,
+                self.config.scheduler.max_num_seqs,
                 self.config.max_model_len,
                 self.block_size,
                 self.device,
@@ -294,7 +298,7 @@ class ModelRunner:
     def _profile_step(self) -> None:
         """The largest step the scheduler can send: ``max_num_batched_tokens`` fresh prompt
         tokens, sampled in as many sequences as the budget makes, with a throwaway cache."""
-        num_tokens = self.config.max_num_batched_tokens
+        num_tokens = self.config.scheduler.max_num_batched_tokens
         seq_len = min(num_tokens, self.config.max_model_len)
         seq_lens = [seq_len] * (num_tokens // seq_len)
         if num_tokens % seq_len:
@@ -330,9 +334,10 @@ class ModelRunner:
             return self.decode_graphs.run(batch)
         platform = self.platform
         metadata = attention_metadata(batch, self.block_size, self.attention_backend, platform)
-        return self.model(
+        hidden: torch.Tensor = self.model(
             to_device(batch.input_ids, platform), to_device(batch.positions, platform), metadata
         )
+        return hidden
 
     def _run(self, plan: StepPlan) -> Iterator[torch.Tensor | None]:
         """The forward pass, then the logits of each group of rows in turn (None on ranks

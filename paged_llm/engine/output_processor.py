@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
+from paged_llm.engine.beam_search import FinishedBeam
 from paged_llm.engine.detokenizer import IncrementalDetokenizer, decode, find_stop_string
 from paged_llm.engine.sequence import FinishReason, RawLogprobs, Request, Sequence
 from paged_llm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
@@ -93,12 +94,10 @@ class OutputProcessor:
             entries.setdefault(token_id, Logprob(logprob, top_rank, self._token_text(token_id)))
         return entries
 
-    def make_beam_search_output(self, request: Request) -> RequestOutput:
+    def make_beam_search_output(self, request: Request, beams: list[FinishedBeam]) -> RequestOutput:
         """The output of a finished beam search: one completion per beam of its result,
         best first (``index`` is the rank), with ``text`` left empty: `LLM.beam_search`
         decodes each beam, prompt included."""
-        assert request.beam_search is not None and request.beam_search.result is not None
-        beams = request.beam_search.result
         num_prompt_tokens = len(request.prompt_token_ids)
         completions = [
             CompletionOutput(

@@ -10,11 +10,15 @@ sequence needs a block and none is free, the most recently admitted running sequ
 is preempted: its blocks are freed and it waits again at the front of the queue,
 keeping its generated tokens, to be recomputed later.
 
-Beams of a beam search run like other sequences, except that their next tokens are picked
-by the beam search (engine/beam_search.py) once all beams of the request are scored. A
-beam scored before its siblings has nothing to compute until then: it is skipped, and if
-it must give up its blocks it is parked (keeping its place in ``max_num_seqs``) rather
-than queued to be recomputed.
+A request whose next tokens an owner outside the scheduler chooses
+(``Request.tokens_chosen_externally``: the beam search of engine/beam_search.py) runs like
+any other, except at the end of a step: a sequence of it that was scored gets no token
+appended and awaits an external step (``Sequence.awaits_external_step``). It has nothing to
+compute until its owner appends its next tokens and calls `resume`: meanwhile it is skipped,
+and if its blocks are needed it gives them up and is paused (``paused``: it keeps its place
+in ``max_num_seqs`` and its scores) rather than queued to be recomputed. The owner starts
+new sequences from it with `fork`, on its blocks, into the places it reserved
+(``Sequence.num_reserved_seqs``), and ends the ones it is done with through `release`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from paged_llm.config import SchedulerConfig
 from paged_llm.engine.block_manager import BlockHash, BlockManager
 from paged_llm.engine.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -57,41 +62,35 @@ class ScheduledBatch:
         return sum(self.num_scheduled_tokens)
 
 
-@dataclass(slots=True)
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    eos_token_ids: frozenset[int]
-    # False: a prompt is admitted only when all of it fits in the step's budget.
-    chunked_prefill: bool = True
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: frozenset[int]
+    ) -> None:
         self.config = config
+        self.eos_token_ids = eos_token_ids
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         # In admission order: the last one is the most recently admitted.
         self.running: list[Sequence] = []
-        # Scored beams that gave up their blocks, until the beam search moves them on.
-        self.parked: list[Sequence] = []
+        # Sequences awaiting an external step that gave up their blocks, until `resume`.
+        self.paused: list[Sequence] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.parked)
+        return bool(self.waiting or self.running or self.paused)
 
     def schedule(self) -> ScheduledBatch:
         batch = self._schedule()
         while not batch.seqs and self.running:
-            # NOTE: only scored beams run (they have nothing to compute), and they hold the
-            # blocks that a sibling in the queue needs: park them, most recent first, until
-            # the queue moves. They keep their scores, so each beam step comes closer.
+            # NOTE: only sequences awaiting an external step run (they have nothing to
+            # compute), and they hold the blocks that one in the queue needs, typically the
+            # sibling their owner waits for: pause them, most recent first, until the queue
+            # moves. They keep their scores, so each external step comes closer.
             victim = self.running.pop()
-            assert victim.awaits_beam_step, victim
+            assert victim.awaits_external_step, victim
             self._preempt(victim)
             batch = self._schedule()
         batch.block_copies = self.block_manager.take_pending_copies()
@@ -105,7 +104,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.awaits_beam_step:
+            if seq.awaits_external_step:
                 i += 1
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -120,9 +119,7 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        # A sequence with siblings or beams to fork holds their places in max_num_seqs too.
-        holders = [*self.running, *self.parked]
-        num_slots_taken = len(holders) + sum(s.num_seqs_to_fork for s in holders)
+        num_slots_taken = sum(_num_slots_held(seq) for seq in (*self.running, *self.paused))
         # Full blocks this step computes, by hash, and the prompts that wait a step because
         # their next uncached block is one of them: next step they find it cached instead of
         # computing it again (the choices of a multiple-choice question, a shared system
@@ -137,7 +134,7 @@ class Scheduler:
         # would only be preempted in turn.
         while not preempted and self.waiting and budget > 0:
             seq = self.waiting[0]
-            num_slots = 1 + seq.num_seqs_to_fork
+            num_slots = _num_slots_held(seq)
             if num_slots_taken + num_slots > self.config.max_num_seqs:
                 break
             # NOTE: cached blocks have no logits, so a prompt still owing prompt logprobs is
@@ -184,12 +181,12 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
-        # NOTE: a scored beam is parked, not queued: it has nothing to compute until the
-        # beam search gives it (or its forks) a next token; `continue_beam` and `fork`
-        # queue them then.
-        if seq.awaits_beam_step:
-            seq.status = SequenceStatus.PARKED
-            self.parked.append(seq)
+        # NOTE: a sequence awaiting an external step is paused, not queued: it has nothing
+        # to compute until its owner gives it (or its forks) next tokens; `resume` and
+        # `fork` queue them then.
+        if seq.awaits_external_step:
+            seq.status = SequenceStatus.PAUSED
+            self.paused.append(seq)
         else:
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
@@ -220,8 +217,9 @@ class Scheduler:
             if not sample:
                 continue
             token = next(tokens)
-            if seq.request.beam_search is not None:
-                continue  # the beam search picks the tokens of every beam at once
+            if seq.request.tokens_chosen_externally:
+                seq.awaits_external_step = True
+                continue
             if seq.pending_forks:
                 self._fork(seq)
             seq.token_ids.append(token)
@@ -244,7 +242,7 @@ class Scheduler:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Start ``child``, whose tokens extend the parent's computed ones, on the parent's
-        full blocks. The fork of a parked beam (it holds no blocks) waits at the front of
+        full blocks. The fork of a paused parent (it holds no blocks) waits at the front of
         the queue instead, to be computed from the prefix cache where it can."""
         if parent.status is SequenceStatus.RUNNING:
             child.num_computed_tokens = self.block_manager.fork(parent, child)
@@ -253,11 +251,13 @@ class Scheduler:
         else:
             self.waiting.appendleft(child)
 
-    def continue_beam(self, seq: Sequence) -> None:
-        """A beam got its next token: a running one runs on, a parked one waits at the front
-        of the queue to be computed again."""
-        if seq.status is SequenceStatus.PARKED:
-            self.parked.remove(seq)
+    def resume(self, seq: Sequence) -> None:
+        """End the external step that ``seq`` awaited, its owner having appended its next
+        tokens: a running sequence runs on, a paused one waits at the front of the queue to
+        be computed again."""
+        seq.awaits_external_step = False
+        if seq.status is SequenceStatus.PAUSED:
+            self.paused.remove(seq)
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
 
@@ -266,7 +266,7 @@ class Scheduler:
         token = seq.token_ids[-1]
         num_output = seq.num_output_tokens
         if num_output >= params.min_tokens:
-            if not params.ignore_eos and token in self.config.eos_token_ids:
+            if not params.ignore_eos and token in self.eos_token_ids:
                 seq.finish_reason, seq.stop_reason = FinishReason.STOP, None
                 return True
             if token in params.stop_token_ids:
@@ -290,14 +290,14 @@ class Scheduler:
         Safe after an interrupt anywhere in a step: the pool is rebuilt, not freed
         sequence by sequence, so a half-done allocation, fork or free leaks nothing.
         """
-        for seq in [*self.running, *self.waiting, *self.parked]:
+        for seq in [*self.running, *self.waiting, *self.paused]:
             # Siblings not forked yet, or forked by an interrupted `_fork`.
             for member in (seq, *seq.pending_forks):
                 member.block_table.clear()
                 member.status = SequenceStatus.FINISHED
         self.running.clear()
         self.waiting.clear()
-        self.parked.clear()
+        self.paused.clear()
         self.block_manager.reset()
 
     def stop_at_string(self, seq: Sequence, stop_str: str) -> None:
@@ -306,12 +306,18 @@ class Scheduler:
         self.release(seq)
 
     def release(self, seq: Sequence) -> None:
-        """Retire a running sequence whose finish reason is set, or a running or parked beam
-        the beam search is done with: free its blocks at once, stop running it."""
+        """Retire a running sequence whose finish reason is set, or a running or paused one
+        whose owner is done with it: free its blocks at once, stop running it."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.PARKED:
-            self.parked.remove(seq)
+        elif seq.status is SequenceStatus.PAUSED:
+            self.paused.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.metrics.finished_time = time.time()
         self.block_manager.free(seq)
+
+
+def _num_slots_held(seq: Sequence) -> int:
+    """Places ``seq`` holds in ``max_num_seqs``: its own, its ``n > 1`` siblings not forked
+    yet, and those its owner reserved for the sequences it will start from it."""
+    return 1 + len(seq.pending_forks) + seq.num_reserved_seqs

@@ -1,31 +1,32 @@
-"""The state of one request and of each of its sequences as they move through the engine."""
+"""The state of one request and of each of its sequences as they move through the engine.
+
+Most sequences get their next token from the sampler, appended by the scheduler. A request
+can instead leave that choice to an owner outside the scheduler
+(``Request.tokens_chosen_externally``; the beam search of engine/beam_search.py picks the
+next tokens of all its beams at once): a sequence of it that is scored then awaits an
+external step (``Sequence.awaits_external_step``), with nothing to compute, until its owner
+appends its next tokens and calls `Scheduler.resume`. Such an owner can also reserve places
+in ``max_num_seqs`` for the sequences it will start (``Sequence.num_reserved_seqs``).
+"""
 
 from __future__ import annotations
 
 import enum
-import hashlib
 from typing import TYPE_CHECKING
 
 from paged_llm.outputs import RequestMetrics
 from paged_llm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from paged_llm.engine.beam_search import BeamSearchState
     from paged_llm.structured_outputs.xgrammar_backend import SequenceGrammar
-
-
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed determined by the given integers (stable across runs and platforms)."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
-    # A scored beam that gave up its blocks: nothing to compute until the beam search
-    # gives it a next token (`Scheduler.parked`).
-    PARKED = enum.auto()
+    # Awaiting an external step, without its blocks: it gave them up to let others run,
+    # and waits in `Scheduler.paused` until its owner calls `Scheduler.resume`.
+    PAUSED = enum.auto()
     FINISHED = enum.auto()
 
 
@@ -40,12 +41,12 @@ RawLogprobs = tuple[list[int], list[float], int]
 
 
 class Request:
-    """One prompt and its ``n`` sequences, which share the prompt's KV blocks; or, for a
-    beam search (``beam_search`` set), its live beams, best first."""
+    """One prompt and its ``n`` sequences, which share the prompt's KV blocks; or, where
+    ``tokens_chosen_externally`` is set, the sequences its owner runs (the live beams of a
+    beam search, best first)."""
 
     __slots__ = (
         "bad_words_token_ids",
-        "beam_search",
         "metrics",
         "prompt",
         "prompt_logprobs",
@@ -53,6 +54,7 @@ class Request:
         "request_id",
         "sampling_params",
         "seqs",
+        "tokens_chosen_externally",
     )
 
     def __init__(
@@ -63,14 +65,16 @@ class Request:
         sampling_params: SamplingParams,
         arrival_time: float,
         bad_words_token_ids: list[list[int]] | None = None,
-        beam_search: BeamSearchState | None = None,
+        tokens_chosen_externally: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.bad_words_token_ids = bad_words_token_ids or []
-        self.beam_search = beam_search
+        # True: `Scheduler.update` appends no sampled token to the request's sequences; an
+        # owner outside the scheduler chooses their next tokens (see the module docstring).
+        self.tokens_chosen_externally = tokens_chosen_externally
         # Shared by the request's sequences: the first token of any of them is the
         # request's first token, the last one to finish finishes the request.
         self.metrics = RequestMetrics(arrival_time=arrival_time)
@@ -103,6 +107,7 @@ class Sequence:
     """
 
     __slots__ = (
+        "awaits_external_step",
         "block_hashes",
         "block_table",
         "finish_reason",
@@ -112,6 +117,7 @@ class Sequence:
         "num_cached_tokens",
         "num_computed_tokens",
         "num_prompt_tokens",
+        "num_reserved_seqs",
         "pending_forks",
         "request",
         "sampling_params",
@@ -146,6 +152,12 @@ class Sequence:
         self.num_cached_tokens = 0
         # Sibling sequences (n > 1) that start once this one has computed the prompt.
         self.pending_forks: list[Sequence] = []
+        # Places in max_num_seqs that this sequence's owner holds for sequences it will
+        # start from it (beams still to fork), so that they always find one.
+        self.num_reserved_seqs = 0
+        # Scored, with nothing to compute until the owner that chooses its next tokens
+        # moves it on (`Scheduler.resume`); only for `Request.tokens_chosen_externally`.
+        self.awaits_external_step = False
         self.logprobs: list[RawLogprobs] = []
         # Structured outputs: the matcher of this sequence's own tokens (each of the n
         # sequences has its own), or None.
@@ -180,26 +192,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    @property
-    def awaits_beam_step(self) -> bool:
-        """A beam whose last token is scored: it waits, with nothing to compute, until the
-        other beams of its request are scored too and the beam search picks its next
-        tokens (engine/beam_search.py)."""
-        return len(self.logprobs) > self.num_output_tokens
-
-    @property
-    def num_seqs_to_fork(self) -> int:
-        """Sequences this one may still start: its ``n > 1`` siblings not forked yet; for
-        the best beam of a beam search, the beams its request lacks of ``beam_width``
-        (all but one before the first step), so that forks always find a place in
-        ``max_num_seqs``."""
-        state = self.request.beam_search
-        if state is None:
-            return len(self.pending_forks)
-        if state.beams[0].seq is not self:
-            return 0
-        return state.params.beam_width - len(state.beams)
 
     def __repr__(self) -> str:
         return (

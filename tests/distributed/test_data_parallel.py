@@ -1,6 +1,7 @@
-"""Data parallelism: the assignment of requests to replicas, greedy parity with transformers
-at two replicas under every kind of batching, sampled outputs that do not depend on the
-number of replicas, replicas that die mid-generation, and no process left behind."""
+"""Data parallelism: greedy parity with transformers at two replicas under every kind of
+batching, sampled outputs that do not depend on the number of replicas, replicas that die
+mid-generation, and no process left behind (the assignment of requests to replicas is
+tested in tests/frontend/test_replica_assignment.py)."""
 
 from __future__ import annotations
 
@@ -15,20 +16,14 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import hypothesis.strategies as st
 import pytest
-from hypothesis import given, settings
 from tqdm import tqdm
 
 from paged_llm import LLM, BeamSearchParams, RequestOutput, SamplingParams
-from paged_llm.distributed.data_parallel import (
-    DataParallelEngine,
-    assign_replicas,
-    place_replicas,
-    request_cost,
-    resolve_seed,
-)
 from paged_llm.engine.llm_engine import LLMEngine
+from paged_llm.engine.request import EngineRequest
+from paged_llm.frontend.data_parallel import DataParallelEngine
+from paged_llm.frontend.replica_assignment import resolve_seed
 from tests.conftest import TINY_MODELS
 from tests.distributed.processes import child_pids
 from tests.models.test_parity import (
@@ -41,7 +36,8 @@ from tests.models.test_parity import (
 
 # NOTE: this process's own engines and transformers' runs need one thread on a busy 2-core
 # machine (see tests/test_cli.py); replicas take their own share.
-from tests.test_cli import one_thread  # noqa: F401 (an autouse fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 MAX_MODEL_LEN = 256
 # Far above the few seconds a generation of the parity prompts takes, far below a hang.
@@ -49,8 +45,8 @@ DEADLINE_S = 120
 
 
 @pytest.fixture(scope="module")
-def dp_llm(tiny_model_dir: Callable[[str], Path]) -> Iterator[LLM]:
-    with LLM(tiny_model_dir("llama"), max_model_len=MAX_MODEL_LEN, data_parallel_size=2) as llm:
+def dp_llm(llama_dir: Path) -> Iterator[LLM]:
+    with LLM(llama_dir, max_model_len=MAX_MODEL_LEN, data_parallel_size=2) as llm:
         pids = set(llm.engine.replica_pids)
         yield llm
     assert not pids & child_pids()
@@ -60,107 +56,26 @@ def greedy_params(max_tokens: list[int]) -> list[SamplingParams]:
     return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
 
 
-# ----- assignment ------------------------------------------------------------------------
-
-
-def loads_of(assignment: list[int], costs: list[int], loads: list[int]) -> list[int]:
-    totals = list(loads)
-    for replica, cost in zip(assignment, costs, strict=True):
-        totals[replica] += cost
-    return totals
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    requests=st.lists(
-        st.tuples(
-            # A tiny alphabet and block size, so that prompts often share a first block.
-            st.lists(st.integers(0, 2), min_size=1, max_size=6),
-            st.integers(1, 50),
-        ),
-        max_size=40,
-    ),
-    loads=st.lists(st.integers(0, 60), min_size=1, max_size=4),
-)
-def test_every_request_is_assigned_once_and_no_replica_exceeds_its_share_by_more_than_one_request(
-    requests: list[tuple[list[int], int]], loads: list[int]
-) -> None:
-    prompts = [prompt for prompt, _ in requests]
-    costs = [cost for _, cost in requests]
-    assignment = assign_replicas(prompts, costs, loads, block_size=2)
-    assert len(assignment) == len(prompts)
-    assert all(0 <= replica < len(loads) for replica in assignment)
-    share = (sum(loads) + sum(costs)) / len(loads)
-    bound = max([*loads, share + max(costs, default=0)])
-    assert max(loads_of(assignment, costs, loads)) <= bound
-
-
-def test_prefix_groups_that_fit_stay_on_one_replica() -> None:
-    # Two groups of five prompts sharing their first block (of 4 tokens), and equal costs.
-    prompts = [[7, 7, 7, 7, i] for i in range(5)] + [[9, 9, 9, 9, i] for i in range(5)]
-    assignment = assign_replicas(prompts, [10] * 10, [0, 0], block_size=4)
-    assert len(set(assignment[:5])) == len(set(assignment[5:])) == 1
-    assert assignment[0] != assignment[5]
-
-
-def test_a_group_too_big_for_one_replica_is_cut_where_prompts_diverge_first() -> None:
-    # Every prompt shares the first block (a chat header, say); within it, two subgroups
-    # share more. Token order keeps each subgroup together when the group is cut in two.
-    header = [1, 2, 3, 4]
-    prompts = [[*header, subgroup, subgroup, i] for subgroup in (5, 6) for i in range(4)]
-    order = [0, 4, 1, 5, 2, 6, 3, 7]  # interleaved, as a dataset might list them
-    assignment = assign_replicas([prompts[i] for i in order], [10] * 8, [0, 0], block_size=4)
-    by_prompt = {order[position]: replica for position, replica in enumerate(assignment)}
-    assert len({by_prompt[i] for i in range(4)}) == len({by_prompt[i] for i in range(4, 8)}) == 1
-    assert by_prompt[0] != by_prompt[4]
-
-
-def test_balance_by_cost_not_by_count() -> None:
-    # Round robin would put both long requests on replica 0.
-    costs = [100, 10, 100, 10, 10, 10, 10, 10, 10, 10, 10, 10]
-    prompts = [[i] for i in range(len(costs))]  # shorter than a block: no groups
-    assignment = assign_replicas(prompts, costs, [0, 0], block_size=16)
-    assert loads_of(assignment, costs, [0, 0]) == [150, 150]
-    # Work already running counts: the idle replica takes what is new.
-    assert assign_replicas([[1], [2], [3]], [10, 10, 10], [100, 0], block_size=16) == [1, 1, 1]
-
-
-def test_request_cost_counts_the_prompt_and_every_sequence() -> None:
-    assert request_cost(30, SamplingParams(n=3, max_tokens=10), max_model_len=256) == 60
-    assert request_cost(30, SamplingParams(max_tokens=None), max_model_len=256) == 256
-
-
-def test_each_replica_gets_its_own_cores_and_tensor_parallel_devices() -> None:
-    placements = place_replicas(2, 2, cpus=[0, 1, 2, 3, 4], cuda_devices=["4", "5", "6", "7"])
-    assert [p.cpus for p in placements] == [(0, 1), (2, 3)]
-    assert [p.environment for p in placements] == [
-        {"CUDA_VISIBLE_DEVICES": "4,5"},
-        {"CUDA_VISIBLE_DEVICES": "6,7"},
-    ]
-    # More replicas than cores: one core each, shared; nothing to set on CPU.
-    placements = place_replicas(3, 1, cpus=[0, 1], cuda_devices=None)
-    assert [p.cpus for p in placements] == [(0,), (1,), (0,)]
-    assert all(p.environment == {} for p in placements)
-
-
 # ----- seeds -----------------------------------------------------------------------------
 
 
 def test_front_seeds_give_each_sequence_the_seed_a_single_engine_draws(
-    tiny_model_dir: Callable[[str], Path],
+    llama_dir: Path,
 ) -> None:
-    with LLM(tiny_model_dir("llama"), max_model_len=64) as llm:
+    with LLM(llama_dir, max_model_len=64) as llm:
         engine = llm.engine
         assert isinstance(engine, LLMEngine)
         params = SamplingParams(n=3, temperature=0.8)
         for attempt in range(3):
             # An unseeded arrival at a single engine ...
             serial = engine.get_metrics().num_requests
-            alone = engine.add_request(f"alone-{attempt}", None, [5, 6], params)
+            alone = engine.add_request(EngineRequest(f"alone-{attempt}", None, [5, 6], params))
             # ... and the same arrival as the front resolves it for a replica, whose own
             # arrival count differs.
             resolved = resolve_seed(params, llm.config.seed, serial)
-            replica = engine.add_request(f"replica-{attempt}", None, [5, 6], resolved)
+            replica = engine.add_request(
+                EngineRequest(f"replica-{attempt}", None, [5, 6], resolved)
+            )
             assert [s.seed for s in replica.seqs] == [s.seed for s in alone.seqs]
         engine.abort_all()
         seeded = SamplingParams(seed=42)
@@ -168,7 +83,7 @@ def test_front_seeds_give_each_sequence_the_seed_a_single_engine_draws(
 
 
 def test_sampled_tokens_do_not_depend_on_the_number_of_replicas(
-    tiny_model_dir: Callable[[str], Path],
+    llama_dir: Path,
 ) -> None:
     prompts = [f"Story {i}: once upon a time, {'far away ' * i}" for i in range(9)] + [""]
 
@@ -186,9 +101,9 @@ def test_sampled_tokens_do_not_depend_on_the_number_of_replicas(
             rounds.append([[c.token_ids for c in o.outputs] for o in outputs])
         return rounds
 
-    with LLM(tiny_model_dir("llama"), max_model_len=MAX_MODEL_LEN) as single:
+    with LLM(llama_dir, max_model_len=MAX_MODEL_LEN) as single:
         expected = sample(single)
-    with LLM(tiny_model_dir("llama"), max_model_len=MAX_MODEL_LEN, data_parallel_size=2) as llm:
+    with LLM(llama_dir, max_model_len=MAX_MODEL_LEN, data_parallel_size=2) as llm:
         assert sample(llm) == expected
     # The rounds differ from each other: the seeds were really drawn.
     assert expected[0] != expected[1] != expected[2]
@@ -250,12 +165,10 @@ def test_stream_progress_metrics_and_a_second_generation(dp_llm: LLM) -> None:
     assert run.num_prompt_tokens == 3 * len(prompts)
 
 
-def test_beam_search_matches_one_replica(
-    dp_llm: LLM, tiny_model_dir: Callable[[str], Path]
-) -> None:
+def test_beam_search_matches_one_replica(dp_llm: LLM, llama_dir: Path) -> None:
     prompts = [{"prompt_token_ids": [500 + i, 501, 502]} for i in range(4)]
     params = BeamSearchParams(beam_width=3, max_tokens=5)
-    with LLM(tiny_model_dir("llama"), max_model_len=MAX_MODEL_LEN) as single:
+    with LLM(llama_dir, max_model_len=MAX_MODEL_LEN) as single:
         expected = single.beam_search(prompts, params)
     outputs = dp_llm.beam_search(prompts, params)
     for output, reference in zip(outputs, expected, strict=True):
@@ -279,20 +192,20 @@ def test_leaving_a_stream_early_cancels_the_rest(dp_llm: LLM) -> None:
 
 
 def test_a_replica_that_cannot_start_raises_its_error(
-    tiny_model_dir: Callable[[str], Path],
+    llama_dir: Path,
 ) -> None:
     # 512 bytes per token of the tiny llama: room for 40 tokens, less than max_model_len.
     with pytest.raises(ValueError, match="cannot hold one sequence of max_model_len=128"):
         LLM(
-            tiny_model_dir("llama"),
+            llama_dir,
             max_model_len=128,
             kv_cache_memory_bytes=512 * 40,
             data_parallel_size=2,
         )
 
 
-def test_garbage_collection_ends_the_replicas(tiny_model_dir: Callable[[str], Path]) -> None:
-    llm = LLM(tiny_model_dir("llama"), max_model_len=64, data_parallel_size=2)
+def test_garbage_collection_ends_the_replicas(llama_dir: Path) -> None:
+    llm = LLM(llama_dir, max_model_len=64, data_parallel_size=2)
     pids = set(llm.engine.replica_pids)
     assert pids <= child_pids()
     del llm
@@ -304,7 +217,7 @@ def test_garbage_collection_ends_the_replicas(tiny_model_dir: Callable[[str], Pa
 
 
 def test_a_killed_replica_s_requests_finish_on_the_others_until_none_is_left(
-    tiny_model_dir: Callable[[str], Path],
+    llama_dir: Path,
     references: Callable[[str, bool], tuple[list[list[int]], list[list[int]]]],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -326,7 +239,7 @@ def test_a_killed_replica_s_requests_finish_on_the_others_until_none_is_left(
         assert sorted(results) == list(range(len(prompts)))
         return results
 
-    with LLM(tiny_model_dir("llama"), max_model_len=MAX_MODEL_LEN, data_parallel_size=2) as llm:
+    with LLM(llama_dir, max_model_len=MAX_MODEL_LEN, data_parallel_size=2) as llm:
         results = generate_killing(llm, victim=0, on_error="raise")
         assert [results[i].outputs[0].token_ids for i in range(len(prompts))] == expected
         assert re.search(
@@ -371,14 +284,14 @@ def _engine_that_fails_once(model_dir: Path, claim: Path) -> LLMEngine:
 
 
 def test_a_replica_that_raises_is_named_and_its_requests_rerun(
-    tiny_model_dir: Callable[[str], Path],
+    llama_dir: Path,
     references: Callable[[str, bool], tuple[list[list[int]], list[list[int]]]],
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     prompts, expected = references("llama", False)
     engine = DataParallelEngine(
-        functools.partial(_engine_that_fails_once, tiny_model_dir("llama"), tmp_path / "claim"),
+        functools.partial(_engine_that_fails_once, llama_dir, tmp_path / "claim"),
         num_replicas=2,
         seed=0,
         block_size=16,
@@ -388,7 +301,7 @@ def test_a_replica_that_raises_is_named_and_its_requests_rerun(
         for index, (prompt, params) in enumerate(
             zip(prompts, greedy_params(MAX_TOKENS), strict=True)
         ):
-            engine.add_request(str(index), None, prompt, params)
+            engine.add_request(EngineRequest(str(index), None, prompt, params))
         results: dict[int, RequestOutput] = {}
         with caplog.at_level(logging.WARNING):
             while engine.has_unfinished():
@@ -408,7 +321,7 @@ def test_a_replica_that_raises_is_named_and_its_requests_rerun(
 
 @pytest.mark.slow
 def test_structured_outputs_compile_in_the_replicas_and_match_one_process(
-    dp_llm: LLM, tiny_model_dir: Callable[[str], Path]
+    dp_llm: LLM, llama_dir: Path
 ) -> None:
     from tests.test_structured_outputs import CONSTRAINTS
 
@@ -418,7 +331,7 @@ def test_structured_outputs_compile_in_the_replicas_and_match_one_process(
         SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=32, structured_outputs=c)
         for i, (c, _) in enumerate(chosen)
     ]
-    with LLM(tiny_model_dir("llama"), max_model_len=MAX_MODEL_LEN) as single:
+    with LLM(llama_dir, max_model_len=MAX_MODEL_LEN) as single:
         expected = single.generate(prompts, params, use_tqdm=False)
     outputs = dp_llm.generate(prompts, params, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in outputs] == [

@@ -14,9 +14,11 @@ import pytest
 from hypothesis import given, settings
 
 from paged_llm import BeamSearchParams
-from paged_llm.engine.beam_search import BeamSearcher
+from paged_llm.config import SchedulerConfig
+from paged_llm.engine.beam_search import BeamSearcher, FinishedBeam
 from paged_llm.engine.block_manager import BlockManager
-from paged_llm.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from paged_llm.engine.request import EngineRequest
+from paged_llm.engine.scheduler import ScheduledBatch, Scheduler
 from paged_llm.engine.sequence import Request
 from tests.beam_reference import ReferenceBeam, reference_beam_search
 
@@ -60,25 +62,28 @@ class Engine:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=MAX_MODEL_LEN,
-            eos_token_ids=EOS_IDS,
         )
         self.block_manager = BlockManager(num_blocks, block_size, prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler = Scheduler(config, self.block_manager, EOS_IDS)
         self.searcher = BeamSearcher(self.scheduler, EOS_IDS, itertools.count())
         self.requests: list[Request] = []
+        # The result of each search that is over, by request id.
+        self.results: dict[str, list[FinishedBeam]] = {}
         self.num_steps = 0
         self.last_batch = ScheduledBatch()
 
     def add(self, prompt: list[int], params: BeamSearchParams) -> Request:
-        request = self.searcher.add_request(str(len(self.requests)), None, prompt, params, 0, None)
+        request = self.searcher.add_request(
+            EngineRequest(str(len(self.requests)), None, prompt, params), 0, None
+        )
         self.requests.append(request)
         return request
 
-    def step(self) -> list[Request]:
+    def step(self) -> None:
         batch = self.scheduler.schedule()
         assert batch.seqs, "nothing to run although requests are pending"
         self.last_batch = batch
-        holders = [*self.scheduler.running, *self.scheduler.parked]
+        holders = [*self.scheduler.running, *self.scheduler.paused]
         assert len(holders) <= self.scheduler.config.max_num_seqs
         self.scheduler.update(batch, [EOS] * len(batch.sampling_seqs))
         for seq in batch.sampling_seqs:
@@ -89,9 +94,10 @@ class Engine:
             logprobs = [top[0][1]] + [logprob for _, logprob in top]
             seq.logprobs.append((ids, logprobs, 1))
         self.num_steps += 1
-        finished = self.searcher.step(batch.sampling_seqs)
+        for request, beams in self.searcher.step(batch.sampling_seqs):
+            assert request.request_id not in self.results
+            self.results[request.request_id] = beams
         self.check_blocks()
-        return finished
 
     def run(self, max_steps: int = 2000) -> None:
         while self.scheduler.has_unfinished():
@@ -103,9 +109,9 @@ class Engine:
         finished beam's blocks are free at once."""
         holders: Counter[int] = Counter()
         for request in self.requests:
-            state = request.beam_search
-            assert state is not None
-            if state.result is None:
+            state = self.searcher.searches.get(request.request_id)
+            assert (state is None) == (request.request_id in self.results)
+            if state is not None:
                 for beam in state.beams:
                     holders.update(beam.seq.block_table)
         for block in self.block_manager.blocks:
@@ -114,14 +120,14 @@ class Engine:
             1 for block in self.block_manager.blocks if block.ref_count == 0
         )
 
-
-def results(request: Request) -> list[ReferenceBeam]:
-    state = request.beam_search
-    assert state is not None and state.result is not None
-    return [
-        ReferenceBeam(beam.token_ids, beam.cum_logprob, beam.finish_reason.value)
-        for beam in state.result
-    ]
+    def result(self, request: Request) -> list[ReferenceBeam]:
+        """The request's beams, best first, once its search is over."""
+        beams = self.results.get(request.request_id)
+        assert beams is not None, "the search is not over"
+        return [
+            ReferenceBeam(beam.token_ids, beam.cum_logprob, beam.finish_reason.value)
+            for beam in beams
+        ]
 
 
 def assert_same(got: list[ReferenceBeam], expected: list[ReferenceBeam]) -> None:
@@ -137,8 +143,8 @@ def test_beams_share_the_prompt_s_full_blocks_and_a_pruned_beam_frees_its_own() 
     params = BeamSearchParams(beam_width=3, max_tokens=6)
     request = engine.add(prompt, params)
     engine.step()  # the prompt, then the first beam step forks two beams
-    state = request.beam_search
-    assert state is not None and len(state.beams) == 3
+    state = engine.searcher.searches[request.request_id]
+    assert len(state.beams) == 3
     tables = [beam.seq.block_table for beam in state.beams]
     assert tables[1][:2] == tables[2][:2] == tables[0][:2]
     assert all(engine.block_manager.blocks[b].ref_count == 3 for b in tables[0][:2])
@@ -154,7 +160,8 @@ def test_beams_share_the_prompt_s_full_blocks_and_a_pruned_beam_frees_its_own() 
     assert engine.last_batch.block_copies == copies  # made before the next forward
     engine.run()
     assert_same(
-        results(request), reference_beam_search(fake_top, prompt, params, EOS_IDS, MAX_MODEL_LEN)
+        engine.result(request),
+        reference_beam_search(fake_top, prompt, params, EOS_IDS, MAX_MODEL_LEN),
     )
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
@@ -165,24 +172,26 @@ def test_a_search_ends_at_max_model_len() -> None:
     params = BeamSearchParams(beam_width=2, max_tokens=10, ignore_eos=True)
     request = engine.add(prompt, params)
     engine.run()
-    beams = results(request)
+    beams = engine.result(request)
     assert all(len(beam.tokens) == MAX_MODEL_LEN for beam in beams)
     assert_same(beams, reference_beam_search(fake_top, prompt, params, EOS_IDS, MAX_MODEL_LEN))
 
 
 def test_a_cache_that_holds_one_sequence_still_runs_three_beams() -> None:
-    """The beams cannot all hold blocks at once: scored ones are parked (and keep their
+    """The beams cannot all hold blocks at once: scored ones are paused (and keep their
     scores) so the others can run, and the result does not change."""
     engine = Engine(num_blocks=MAX_MODEL_LEN // 4, block_size=4, max_num_batched_tokens=8)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     params = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
     request = engine.add(prompt, params)
-    num_parked = 0
+    num_paused = 0
     while engine.scheduler.has_unfinished():
         engine.step()
-        num_parked = max(num_parked, len(engine.scheduler.parked))
-    assert num_parked > 0
-    assert_same(results(request), reference_beam_search(fake_top, prompt, params, EOS_IDS, 16))
+        num_paused = max(num_paused, len(engine.scheduler.paused))
+    assert num_paused > 0
+    assert_same(
+        engine.result(request), reference_beam_search(fake_top, prompt, params, EOS_IDS, 16)
+    )
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
@@ -215,7 +224,7 @@ def test_searches_equal_the_reference_under_any_memory_budget_and_batching(
     extra_seqs: int,
     prefix_caching: bool,
 ) -> None:
-    """Small caches park and preempt beams, small budgets chunk them and let some beams wait
+    """Small caches pause and preempt beams, small budgets chunk them and let some beams wait
     for others; neither may change a result, leak a block or stall."""
     engine = Engine(
         # The KV cache is sized to hold at least one max_model_len sequence.
@@ -229,6 +238,7 @@ def test_searches_equal_the_reference_under_any_memory_budget_and_batching(
     engine.run()
     for request, (prompt, params) in zip(added, requests, strict=True):
         expected = reference_beam_search(fake_top, prompt, params, EOS_IDS, MAX_MODEL_LEN)
-        assert_same(results(request), expected)
+        assert_same(engine.result(request), expected)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert not engine.scheduler.parked
+    assert not engine.scheduler.paused
+    assert not engine.searcher.searches

@@ -5,7 +5,6 @@ disturb the real ones, and every step's inputs must be read afresh from the stat
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,12 +21,12 @@ def test_capture_sizes_ladder() -> None:
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", pytest.param("fp8", marks=pytest.mark.slow)])
 def test_padded_static_decode_batches_equal_the_plain_path(
-    kv_cache_dtype: str, tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+    kv_cache_dtype: str, llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prompts = [{"prompt_token_ids": [100 + i] * (3 + 7 * i)} for i in range(5)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     with LLM(
-        tiny_model_dir("llama"),
+        llama_dir,
         max_model_len=128,
         max_num_seqs=8,
         attention_backend="triton",

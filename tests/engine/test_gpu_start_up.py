@@ -37,7 +37,7 @@ def _greedy(llm: LLM, prompts: list[dict] = PROMPTS) -> list[list[int]]:
 
 
 def test_start_up_profiles_then_sizes_the_cache_then_builds_graphs(
-    tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     platform = FakeGpuPlatform()
     runner_class = model_runner.ModelRunner
@@ -56,7 +56,7 @@ def test_start_up_profiles_then_sizes_the_cache_then_builds_graphs(
         return graphs_class(*args, **kwargs)
 
     monkeypatch.setattr(model_runner, "DecodeGraphs", recording_graphs)
-    with _llm(tiny_model_dir("llama"), platform) as llm:
+    with _llm(llama_dir, platform) as llm:
         assert llm.engine is not None
         assert llm.engine.model_runner.decode_graphs is not None
     assert platform.events == ["reset peak", "profile step", "read peak", "allocate", "graphs"]
@@ -66,10 +66,10 @@ def test_start_up_profiles_then_sizes_the_cache_then_builds_graphs(
     ("utilization", "peak", "others"), [(0.9, 20 * MIB, 8 * MIB), (0.5, 3 * MIB, 1 * MIB)]
 )
 def test_kv_cache_gets_what_utilization_leaves_after_the_peak_and_other_processes(
-    utilization: float, peak: int, others: int, tiny_model_dir: Callable[[str], Path]
+    utilization: float, peak: int, others: int, llama_dir: Path
 ) -> None:
     platform = FakeGpuPlatform(total=64 * MIB, used_by_others=others, profiled_peak=peak)
-    with _llm(tiny_model_dir("llama"), platform, gpu_memory_utilization=utilization) as llm:
+    with _llm(llama_dir, platform, gpu_memory_utilization=utilization) as llm:
         assert llm.engine is not None
         runner = llm.engine.model_runner
         budget = int(64 * MIB * utilization) - peak - others
@@ -81,19 +81,19 @@ def test_kv_cache_gets_what_utilization_leaves_after_the_peak_and_other_processe
 
 
 def test_too_small_a_budget_fails_with_the_setting_to_raise(
-    tiny_model_dir: Callable[[str], Path],
+    llama_dir: Path,
 ) -> None:
     # 64 MiB x 0.5 - 31 MiB peak - 1 MiB of others leaves nothing.
     platform = FakeGpuPlatform(total=64 * MIB, used_by_others=1 * MIB, profiled_peak=31 * MIB)
     with pytest.raises(ValueError, match=r"cannot hold one sequence.*gpu_memory_utilization"):
-        _llm(tiny_model_dir("llama"), platform, gpu_memory_utilization=0.5)
+        _llm(llama_dir, platform, gpu_memory_utilization=0.5)
 
 
 @pytest.mark.parametrize(("num_prompts", "graph_size"), [(1, 1), (3, 4), (5, 8)])
 def test_decode_batches_run_padded_to_the_smallest_graph_that_holds_them(
-    num_prompts: int, graph_size: int, tiny_model_dir: Callable[[str], Path]
+    num_prompts: int, graph_size: int, llama_dir: Path
 ) -> None:
-    with _llm(tiny_model_dir("llama"), FakeGpuPlatform()) as llm:
+    with _llm(llama_dir, FakeGpuPlatform()) as llm:
         assert llm.engine is not None
         graphs = llm.engine.model_runner.decode_graphs
         assert graphs is not None and graphs.sizes == [1, 2, 4, 8]

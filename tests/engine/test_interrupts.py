@@ -14,8 +14,9 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
+from paged_llm.config import SchedulerConfig
 from paged_llm.engine.block_manager import BlockManager, FreeBlockQueue
-from paged_llm.engine.scheduler import Scheduler, SchedulerConfig
+from paged_llm.engine.scheduler import Scheduler
 from paged_llm.engine.sequence import Request, Sequence
 from paged_llm.sampling_params import SamplingParams
 from tests.engine.helpers import Interrupter, assert_pool_consistent
@@ -46,10 +47,10 @@ def make_request(prompt_token_ids: list[int], n: int = 1, max_tokens: int = 4) -
 
 def make_scheduler() -> Scheduler:
     # A pool a little over one max_model_len sequence: preemption and eviction are common.
-    config = SchedulerConfig(
-        max_num_seqs=4, max_num_batched_tokens=8, max_model_len=20, eos_token_ids=frozenset()
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=20)
+    return Scheduler(
+        config, BlockManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True), frozenset()
     )
-    return Scheduler(config, BlockManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True))
 
 
 def step(scheduler: Scheduler) -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
+from paged_llm.config import SchedulerConfig
 from paged_llm.engine.block_manager import BlockManager
-from paged_llm.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from paged_llm.engine.scheduler import ScheduledBatch, Scheduler
 from paged_llm.engine.sequence import Sequence, SequenceStatus
 from tests.engine.helpers import make_seq
 
@@ -28,10 +29,9 @@ def make_scheduler(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
-        eos_token_ids=frozenset({EOS}),
         chunked_prefill=chunked_prefill,
     )
-    return Scheduler(config, BlockManager(num_blocks, block_size, prefix_caching))
+    return Scheduler(config, BlockManager(num_blocks, block_size, prefix_caching), frozenset({EOS}))
 
 
 def make_prompt_seq(num_prompt_tokens: int, **params: object) -> Sequence:
@@ -169,6 +169,47 @@ def test_max_model_len_ends_generation() -> None:
     while scheduler.has_unfinished():
         step(scheduler)
     assert seq.num_tokens == 10 and seq.finish_reason == "length"
+
+
+def test_a_sequence_awaiting_an_external_step_is_skipped_paused_and_resumed() -> None:
+    """A request whose tokens an owner outside the scheduler chooses (beam search uses
+    this): a scored sequence gets no token and has nothing to compute until `resume`; when
+    its blocks are needed it is paused rather than queued, and it keeps its places in
+    max_num_seqs, the one it reserved for a sequence it will start included."""
+    # 4 blocks of 4 tokens; no prefix caching, so a recompute finds nothing cached.
+    scheduler = make_scheduler(num_blocks=4, max_num_seqs=3, prefix_caching=False)
+    owned = make_prompt_seq(7)  # 2 blocks
+    owned.request.tokens_chosen_externally = True
+    owned.num_reserved_seqs = 1
+    scheduler.add(owned)
+    batch, finished = step(scheduler)
+    assert batch.seqs == [owned] and not finished
+    assert owned.awaits_external_step and owned.num_output_tokens == 0
+    other = make_prompt_seq(12, max_tokens=2, ignore_eos=True)  # 3 blocks, then a 4th
+    third = make_prompt_seq(2, max_tokens=1, ignore_eos=True)
+    scheduler.add(other)
+    scheduler.add(third)
+    batch, _ = step(scheduler)
+    # `owned` has nothing to compute and holds the blocks `other` needs: it gives them up.
+    assert batch.seqs == [other]
+    assert owned.status is SequenceStatus.PAUSED and scheduler.paused == [owned]
+    assert owned.block_table == [] and owned.awaits_external_step
+    # `owned` and the place it reserved leave no room for `third` in max_num_seqs.
+    assert list(scheduler.waiting) == [third]
+    owned.token_ids.append(FILLER)  # the owner's step
+    scheduler.resume(owned)
+    assert not owned.awaits_external_step and not scheduler.paused
+    assert list(scheduler.waiting) == [owned, third]
+    batch, finished = step(scheduler)  # `other` takes the last block and finishes
+    assert batch.seqs == [other] and finished == [other]
+    batch, _ = step(scheduler)
+    # Recomputed from the start, with the owner's token, then scored again.
+    assert batch.seqs == [owned, third] and batch.num_scheduled_tokens == [8, 2]
+    assert owned.awaits_external_step and owned.num_tokens == 8
+    scheduler.release(owned)
+    while scheduler.has_unfinished():
+        step(scheduler)
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,0 +1,26 @@
+"""`EngineRequest`: one validated request as every engine takes it.
+
+The front end builds it once (`paged_llm.frontend.input_processor`); an in-process engine,
+a tensor-parallel one and a data-parallel replica all take the same object. A new kind of
+request (LoRA, pooling, speculative settings) is a field here, set in the intake.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from paged_llm.sampling_params import BeamSearchParams, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """A prompt, tokenized and checked against the model, and how to complete it: a
+    generation (`SamplingParams`) or a beam search (`BeamSearchParams`)."""
+
+    request_id: str
+    # The prompt's text, where the caller gave one (reported back in the output).
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams | BeamSearchParams
+    # Token sequences that are never generated: ``params.bad_words``, tokenized.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
