@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,18 +21,20 @@ from paged_llm import (
     SamplingParams,
     StructuredOutputsParams,
 )
+from paged_llm.engine.request import EngineRequest
 from tests.beam_reference import ReferenceBeam, TopCandidates, reference_beam_search
 
 # NOTE: the tiny model gains nothing from a second thread (see tests/test_cli.py).
-from tests.test_cli import one_thread  # noqa: F401 (an autouse fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 MAX_MODEL_LEN = 64
 PROMPTS = ["The lighthouse keeper counted the ships", "Seven small boats"]
 
 
 @pytest.fixture(scope="module")
-def hf_model(tiny_model_dir: Callable[[str], Path]) -> transformers.PreTrainedModel:
-    path = tiny_model_dir("llama")
+def hf_model(llama_dir: Path) -> transformers.PreTrainedModel:
+    path = llama_dir
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
@@ -52,7 +54,7 @@ def hf_top(hf_model: transformers.PreTrainedModel) -> TopCandidates:
 
 @pytest.fixture(scope="module")
 def eos_model_dir(
-    tiny_model_dir: Callable[[str], Path],
+    llama_dir: Path,
     tokenizer: transformers.PreTrainedTokenizerBase,
     hf_top: TopCandidates,
     tmp_path_factory: pytest.TempPathFactory,
@@ -64,7 +66,7 @@ def eos_model_dir(
     (path,) = reference_beam_search(hf_top, prompt, greedy, frozenset(), MAX_MODEL_LEN)
     (top,) = hf_top([path.tokens], 2)
     path_dir = tmp_path_factory.mktemp("eos-llama")
-    shutil.copytree(tiny_model_dir("llama"), path_dir, dirs_exist_ok=True)
+    shutil.copytree(llama_dir, path_dir, dirs_exist_ok=True)
     config = json.loads((path_dir / "generation_config.json").read_text())
     config["eos_token_id"] = top[1][0]
     (path_dir / "generation_config.json").write_text(json.dumps(config))
@@ -208,8 +210,8 @@ def test_a_beam_search_runs_beside_generations_in_one_batch(llm: LLM) -> None:
     (expected_samples,) = llm.generate(PROMPTS[1], sampled, use_tqdm=False)
     engine = llm.engine
     ids = prompt_ids(llm)
-    engine.add_request("beams", None, ids[0], params)
-    engine.add_request("samples", None, ids[1], sampled)
+    engine.add_request(EngineRequest("beams", None, ids[0], params))
+    engine.add_request(EngineRequest("samples", None, ids[1], sampled))
     outputs = {}
     while engine.has_unfinished():
         outputs.update((output.request_id, output) for output in engine.step())

@@ -8,7 +8,6 @@ import json
 import logging
 import shutil
 import weakref
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,12 +16,6 @@ from tqdm import tqdm
 from paged_llm import LLM, SamplingParams
 
 MAX_MODEL_LEN = 128
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_model_dir: Callable[[str], Path]) -> Iterator[LLM]:
-    with LLM(tiny_model_dir("llama"), max_model_len=MAX_MODEL_LEN) as instance:
-        yield instance
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -119,8 +112,8 @@ def test_single_string_prompt_text_and_metrics(llm: LLM) -> None:
     assert metrics.first_token_time <= metrics.last_token_time <= metrics.finished_time
 
 
-def test_shutdown_frees_the_engine(tiny_model_dir: Callable[[str], Path]) -> None:
-    with LLM(tiny_model_dir("llama"), max_model_len=64) as llm:
+def test_shutdown_frees_the_engine(llama_dir: Path) -> None:
+    with LLM(llama_dir, max_model_len=64) as llm:
         runner = llm.engine.model_runner
         kv_cache = weakref.ref(runner.kv_cache)
         weights = weakref.ref(next(runner.model.parameters()))
@@ -132,21 +125,19 @@ def test_shutdown_frees_the_engine(tiny_model_dir: Callable[[str], Path]) -> Non
         llm.generate("hi")
 
 
-def test_kv_cache_too_small_for_max_model_len(tiny_model_dir: Callable[[str], Path]) -> None:
+def test_kv_cache_too_small_for_max_model_len(llama_dir: Path) -> None:
     # 2 layers x 2 kv heads x 16 dims x 4 bytes x (K, V) = 512 bytes per token.
     with pytest.raises(
         ValueError,
         match=r"cannot hold one sequence of max_model_len=128 tokens.*"
         r"lower max_model_len to at most 32",
     ):
-        LLM(tiny_model_dir("llama"), max_model_len=128, kv_cache_memory_bytes=512 * 40)
+        LLM(llama_dir, max_model_len=128, kv_cache_memory_bytes=512 * 40)
 
 
-def test_unsupported_architecture_lists_supported(
-    tiny_model_dir: Callable[[str], Path], tmp_path: Path
-) -> None:
+def test_unsupported_architecture_lists_supported(llama_dir: Path, tmp_path: Path) -> None:
     model_dir = tmp_path / "model"
-    shutil.copytree(tiny_model_dir("llama"), model_dir)
+    shutil.copytree(llama_dir, model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]
     (model_dir / "config.json").write_text(json.dumps(config))
@@ -164,22 +155,20 @@ def test_unsupported_architecture_lists_supported(
         ("dtype", "int8", r"dtype must be one of"),
     ],
 )
-def test_bad_llm_arguments(
-    tiny_model_dir: Callable[[str], Path], argument: str, value: object, message: str
-) -> None:
+def test_bad_llm_arguments(llama_dir: Path, argument: str, value: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        LLM(tiny_model_dir("llama"), **{argument: value})
+        LLM(llama_dir, **{argument: value})
 
 
 def test_triton_backend_on_cpu_needs_the_interpreter(
-    tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        LLM(tiny_model_dir("llama"), attention_backend="triton")
+        LLM(llama_dir, attention_backend="triton")
     # Any spelling Triton itself accepts turns it on.
     monkeypatch.setenv("TRITON_INTERPRET", "true")
-    with LLM(tiny_model_dir("llama"), attention_backend="triton", max_model_len=64) as llm:
+    with LLM(llama_dir, attention_backend="triton", max_model_len=64) as llm:
         assert llm.config.attention_backend == "triton"
 
 

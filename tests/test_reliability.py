@@ -9,7 +9,7 @@ import math
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +26,6 @@ from tests.engine.helpers import Interrupter, assert_pool_consistent
 MAX_MODEL_LEN = 128
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_model_dir: Callable[[str], Path]) -> Iterator[LLM]:
-    with LLM(tiny_model_dir("llama"), max_model_len=MAX_MODEL_LEN) as instance:
-        yield instance
 
 
 def _prompts(count: int, first: int = 400) -> list[dict[str, list[int]]]:
@@ -187,9 +181,9 @@ def test_bad_requests_that_broke_the_batch_are_skipped_with_their_index(llm: LLM
 
 
 def test_logprobs_above_the_vocabulary_are_refused_even_without_a_cap(
-    tiny_model_dir: Callable[[str], Path],
+    llama_dir: Path,
 ) -> None:
-    with LLM(tiny_model_dir("llama"), max_model_len=MAX_MODEL_LEN, max_logprobs=-1) as llm:
+    with LLM(llama_dir, max_model_len=MAX_MODEL_LEN, max_logprobs=-1) as llm:
         vocab = llm.vocab_size
         with pytest.raises(ValueError, match=rf"logprobs of {vocab + 1}, .* max allowed: {vocab}"):
             llm.generate(["x"], SamplingParams(logprobs=vocab + 1), use_tqdm=False)
@@ -248,9 +242,9 @@ def test_max_logprobs_caps_requests_as_vllm_does(llm: LLM) -> None:
         llm.generate(["x"], SamplingParams(prompt_logprobs=-1), use_tqdm=False)
 
 
-def test_max_logprobs_is_validated(tiny_model_dir: Callable[[str], Path]) -> None:
+def test_max_logprobs_is_validated(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"LLM argument max_logprobs must be"):
-        LLM(tiny_model_dir("llama"), max_model_len=MAX_MODEL_LEN, max_logprobs=-2)
+        LLM(llama_dir, max_model_len=MAX_MODEL_LEN, max_logprobs=-2)
 
 
 # ----- 6. unclear errors --------------------------------------------------------------
@@ -317,11 +311,11 @@ MUTATIONS = [
 
 
 @pytest.fixture(scope="module")
-def crowded_llm(tiny_model_dir: Callable[[str], Path]) -> Iterator[LLM]:
+def crowded_llm(llama_dir: Path) -> Iterator[LLM]:
     # Batch-invariant, so that a run after any history of cache hits and evictions must give
     # exactly the reference tokens.
     with LLM(
-        tiny_model_dir("llama"),
+        llama_dir,
         max_model_len=MAX_MODEL_LEN,
         kv_cache_memory_bytes=12 * 8192,
         max_num_batched_tokens=32,
@@ -393,14 +387,14 @@ def _resident_bytes() -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads Linux's /proc")
 def test_memory_stays_flat_over_create_and_shutdown_cycles(
-    tiny_model_dir: Callable[[str], Path],
+    llama_dir: Path,
 ) -> None:
     # A 64 MiB cache each time: keeping one alive per cycle would add 256 MiB over five.
     cache_bytes = 64 * 2**20
     resident = []
     for _ in range(5):
         with LLM(
-            tiny_model_dir("llama"), max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=cache_bytes
+            llama_dir, max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=cache_bytes
         ) as instance:
             instance.generate(_prompts(4), GREEDY, use_tqdm=False)
         gc.collect()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import transformers
 
 from paged_llm import LLM, SamplingParams
 from paged_llm.engine.detokenizer import IncrementalDetokenizer
+from paged_llm.engine.request import EngineRequest
 
 MAX_MODEL_LEN = 256
 PROMPT = "The library opens at nine in the morning, and the first visitors are usually"
@@ -28,17 +28,6 @@ OTHER_PROMPTS = [
     "When the power went out, we",
     "His favourite number was",
 ]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir: Path) -> Iterator[LLM]:
-    with LLM(model_dir, max_model_len=MAX_MODEL_LEN) as instance:
-        yield instance
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +86,7 @@ def test_n_completions_share_prompt_blocks_and_free_them(llm: LLM) -> None:
     bm = engine.block_manager
     prompt_ids = llm.tokenizer(PROMPT * 3)["input_ids"]
     params = SamplingParams(n=4, temperature=1.0, max_tokens=6, ignore_eos=True, seed=5)
-    request = engine.add_request("n-test", None, prompt_ids, params)
+    request = engine.add_request(EngineRequest("n-test", None, prompt_ids, params))
     parent = request.seqs[0]
     outputs = []
     while not all(seq.block_table for seq in request.seqs):
@@ -351,7 +340,7 @@ def test_bad_words_are_never_generated(llm: LLM) -> None:
     assert word
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, bad_words=[word])
     completion = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
-    banned = llm._bad_words_token_ids(0, params)
+    banned = llm.processor._bad_words_token_ids(params)
     for sequence in banned:
         size = len(sequence)
         windows = [

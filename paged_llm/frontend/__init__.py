@@ -1,0 +1,1 @@
+"""The front end: request intake, chat rendering, result streams and the engine clients."""

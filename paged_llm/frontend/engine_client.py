@@ -1,0 +1,60 @@
+"""`EngineClient`: what the front end drives, whichever engine runs the requests.
+
+Three clients answer it: an `LLMEngine` in this process, the same engine with tensor-parallel
+worker processes behind its executor, and a `DataParallelEngine` that spreads requests over
+replica processes (each an `LLMEngine` built by `build_engine`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from paged_llm.config import EngineConfig
+from paged_llm.engine.llm_engine import EngineMetrics, LLMEngine
+from paged_llm.engine.request import EngineRequest
+from paged_llm.engine_args import EngineArgs
+from paged_llm.frontend.model_info import ModelInfo
+from paged_llm.outputs import RequestOutput
+
+
+class RequestsLostError(RuntimeError):
+    """No engine is left to run ``request_ids`` (every data-parallel replica has ended); the
+    message names each one lost and why it ended."""
+
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
+class EngineClient(Protocol):
+    """The engine loop as the front end sees it."""
+
+    def add_request(self, request: EngineRequest) -> object:
+        """Queue a validated request."""
+        ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]:
+        """Run until some requests finish (one step in process); return those that did.
+        Raises `RequestsLostError` for requests no engine is left to run."""
+        ...
+
+    def abort_all(self) -> None:
+        """Drop every unfinished request and release what it holds."""
+        ...
+
+    def get_metrics(self) -> EngineMetrics: ...
+
+    def shutdown(self) -> None:
+        """Free the KV cache and the weights, and end any worker process."""
+        ...
+
+
+def build_engine(model: str | Path, args: EngineArgs) -> LLMEngine:
+    """An engine for ``model`` with ``args`` (a data-parallel replica's, in its process):
+    the model's files read and the settings resolved as `LLM` does, without an `LLM`."""
+    info = ModelInfo.load(model, args)
+    config = EngineConfig.create(info.model_dir, info.hf_config, args)
+    return LLMEngine(config, info.tokenizer, info.eos_token_ids)

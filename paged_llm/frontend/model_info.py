@@ -1,0 +1,152 @@
+"""What the front end knows of a model beside its weights: its Hugging Face config, the
+tokenizer, the chat template, the generation config and its EOS ids, read once from the
+model's files. An engine is built from it and an `EngineConfig`, without an `LLM`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+
+from paged_llm.config import EngineConfig, ModelConfig
+from paged_llm.engine_args import EngineArgs
+from paged_llm.frontend.chat import read_chat_template
+from paged_llm.model_files import resolve_model
+from paged_llm.sampling_params import SamplingParams
+
+# The fields of generation_config.json that become default SamplingParams, by their names
+# there (max_new_tokens becomes max_tokens).
+_SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass
+class ModelInfo:
+    """A model's files, read: ``model`` as the user named it, ``model_dir`` where it lies."""
+
+    model: str
+    model_dir: Path
+    hf_config: Any
+    # None: the LLM was built with skip_tokenizer_init=True.
+    tokenizer: PreTrainedTokenizerBase | None
+    # The `LLM`'s chat_template argument, read; None: the tokenizer's.
+    chat_template: str | None
+    # generation_config.json's values (none under generation_config="vllm"), with
+    # override_generation_config over them.
+    generation_config: dict[str, Any]
+    eos_token_ids: frozenset[int]
+
+    @classmethod
+    def load(cls, model: str | Path, args: EngineArgs) -> ModelInfo:
+        """Resolve ``model`` (a directory, a .gguf file or a cached hub id) and read it."""
+        model_dir = resolve_model(model, revision=args.revision).path
+        hf_config = _hf_config(model_dir, args)
+        tokenizer = None
+        if not args.skip_tokenizer_init:
+            tokenizer = AutoTokenizer.from_pretrained(
+                args.tokenizer or model_dir,
+                trust_remote_code=args.trust_remote_code,
+                revision=args.tokenizer_revision,
+                use_fast=args.tokenizer_mode != "slow",
+            )
+        chat_template = read_chat_template(args.chat_template)
+        generation_file = _read_generation_config(
+            model_dir if args.generation_config in ("auto", "vllm") else args.generation_config
+        )
+        # As vLLM: "vllm" drops the file's sampling defaults, not its EOS tokens.
+        generation_config = {
+            **({} if args.generation_config == "vllm" else generation_file),
+            **(args.override_generation_config or {}),
+        }
+        return cls(
+            model=str(model),
+            model_dir=model_dir,
+            hf_config=hf_config,
+            tokenizer=tokenizer,
+            chat_template=chat_template,
+            generation_config=generation_config,
+            eos_token_ids=_eos_token_ids(generation_file, hf_config, tokenizer),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        size: int = self.hf_config.vocab_size
+        return size
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's recommended values from generation_config.json
+        (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), as vLLM
+        does."""
+        generation = self.generation_config
+        fields = {
+            name: generation[name]
+            for name in _SAMPLING_DEFAULTS
+            if generation.get(name) is not None
+        }
+        if generation.get("max_new_tokens") is not None:
+            fields["max_tokens"] = generation["max_new_tokens"]
+        return SamplingParams(**fields)
+
+    def model_config(self, args: EngineArgs, config: EngineConfig) -> ModelConfig:
+        """The model as vLLM's ``llm.llm_engine.model_config`` reports it."""
+        names = args.served_model_name
+        served = names[0] if isinstance(names, list) else names
+        return ModelConfig(
+            model=self.model,
+            tokenizer=str(args.tokenizer or self.model_dir),
+            tokenizer_mode=args.tokenizer_mode,
+            trust_remote_code=args.trust_remote_code,
+            dtype=config.dtype,
+            seed=config.seed,
+            revision=args.revision,
+            tokenizer_revision=args.tokenizer_revision,
+            max_model_len=config.max_model_len,
+            max_logprobs=config.max_logprobs,
+            hf_config=config.hf_config,
+            served_model_name=served if served is not None else self.model,
+            generation_config=str(args.generation_config),
+            skip_tokenizer_init=args.skip_tokenizer_init,
+        )
+
+
+def _hf_config(model_dir: Path, args: EngineArgs) -> Any:
+    """The model's Hugging Face config with ``hf_overrides`` applied."""
+    hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=args.trust_remote_code)
+    overrides = args.hf_overrides
+    if callable(overrides):
+        return overrides(hf_config)
+    for name, value in (overrides or {}).items():
+        setattr(hf_config, name, value)
+    return hf_config
+
+
+def _read_generation_config(folder: str | Path) -> dict[str, Any]:
+    path = Path(folder) / "generation_config.json"
+    if path.exists():
+        loaded: dict[str, Any] = json.loads(path.read_text())
+        return loaded
+    if not Path(folder).is_dir():
+        raise ValueError(
+            f"LLM argument generation_config={str(folder)!r} must be 'auto', 'vllm' or a "
+            "folder holding generation_config.json; no such folder."
+        )
+    return {}
+
+
+def _eos_token_ids(
+    generation_config: dict[str, Any],
+    hf_config: Any,
+    tokenizer: PreTrainedTokenizerBase | None,
+) -> frozenset[int]:
+    """EOS ids from generation_config.json (an int or a list) and the tokenizer, or the
+    model config where there is no tokenizer."""
+    eos: set[int] = set()
+    for ids in (
+        generation_config.get("eos_token_id"),
+        getattr(hf_config, "eos_token_id", None) if tokenizer is None else None,
+        tokenizer.eos_token_id if tokenizer is not None else None,
+    ):
+        eos.update(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    return frozenset(eos)
