@@ -1,7 +1,7 @@
 """``paged-llm generate --ray-address``: the single-machine command's rows, on a Ray cluster.
 
 The input (JSONL, or Parquet with the same columns) is read through Ray Data; every row goes
-through the single-machine command's own row -> request mapping (`paged_llm.cli`), in
+through the single-machine job's own row -> request mapping (`paged_llm.jobs`), in
 `ProcessorConfig.concurrency` engine actors; the output is a folder of JSONL files, one per
 write task, whose rows are the single-machine command's rows.
 
@@ -13,10 +13,9 @@ is run again whole.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,61 +25,53 @@ import ray.data
 from ray.data.block import BlockAccessor
 from ray.data.datasource import BlockBasedFileDatasink, WriteResult
 
-from paged_llm.cli import (
-    CliError,
-    InputRow,
-    RowCounts,
-    generate_rows,
-    json_line,
-    listed_errors,
-    llm_kwargs,
-    output_lock,
-    parse_line,
-    parse_record,
-)
+from paged_llm.jobs.output import RowCounts, json_line, output_lock
+from paged_llm.jobs.rows import InputRow, JobError, listed_errors, parse_line, parse_record
+from paged_llm.jobs.runner import JobSpec, generate_rows
 from paged_llm.llm import LLM
 from paged_llm.ray.processor import ProcessorConfig, Row, map_with_llm
 
-# The cluster flags of `paged-llm generate`, by their ProcessorConfig field.
-_CLUSTER_FLAGS = ("concurrency", "batch_size", "num_cpus_per_actor", "num_gpus_per_actor")
 
-
-def run_on_cluster(args: argparse.Namespace) -> int:
-    """Run ``paged-llm generate`` on the cluster at ``args.ray_address`` (or on the one this
-    process is connected to already); the exit code."""
-    if args.resume:
-        raise CliError("--resume does not apply with --ray-address; write to a new --output.")
-    config = ProcessorConfig(
-        args.model,
-        llm_kwargs(args),
-        **{name: value for name in _CLUSTER_FLAGS if (value := getattr(args, name)) is not None},
-    )
+def run_on_cluster(
+    spec: JobSpec,
+    address: str | None,
+    cluster_options: dict[str, Any],
+    *,
+    log_to_driver: bool = False,
+) -> int:
+    """Run a ``generate`` job on the cluster at ``address`` (or on the one this process is
+    connected to already), ``cluster_options`` being `ProcessorConfig` fields; the exit
+    code."""
+    if spec.resume:
+        raise JobError("--resume does not apply with --ray-address; write to a new --output.")
+    config = ProcessorConfig(spec.model, spec.llm_kwargs(), **cluster_options)
     # NOTE: a process already connected to a cluster (a notebook, a test) keeps its
     # connection, and the job runs there.
     connects = not ray.is_initialized()
     if connects:
-        ray.init(address=args.ray_address, log_to_driver=args.verbose)
+        ray.init(address=address, log_to_driver=log_to_driver)
     try:
-        ray.data.DataContext.get_current().enable_progress_bars = not args.no_progress
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        with output_lock(args.output):
+        ray.data.DataContext.get_current().enable_progress_bars = spec.progress
+        spec.output.parent.mkdir(parents=True, exist_ok=True)
+        with output_lock(spec.output):
             # NOTE: checked under the lock, as on one machine.
-            if args.output.exists() and (args.output.is_file() or any(args.output.iterdir())):
-                raise CliError(
-                    f"{args.output} already exists and is not an empty folder; with "
+            if spec.output.exists() and (spec.output.is_file() or any(spec.output.iterdir())):
+                raise JobError(
+                    f"{spec.output} already exists and is not an empty folder; with "
                     "--ray-address, --output is a new folder of JSONL files."
                 )
-            dataset = _read(args.input)
-            _check_rows(args.input, dataset)
+            dataset = _read(spec.input)
+            _check_rows(spec.input, dataset)
             started = time.perf_counter()
             # NOTE: no progress bars in the actors: Ray Data's bar counts the rows.
-            actor_args = argparse.Namespace(**{**vars(args), "no_progress": True})
-            sink = _JsonLinesSink(str(args.output))
-            map_with_llm(dataset, config, _GenerateRows(actor_args)).write_datasink(
+            sink = _JsonLinesSink(str(spec.output))
+            map_with_llm(
+                dataset, config, _GenerateRows(replace(spec, progress=False))
+            ).write_datasink(
                 sink,
                 ray_remote_args={"num_cpus": 0},  # as reading: see _read
             )
-            print(sink.counts.summary(args.output, 0, time.perf_counter() - started))
+            print(sink.counts.summary(spec.output, 0, time.perf_counter() - started))
     finally:
         if connects:
             ray.shutdown()
@@ -109,7 +100,7 @@ def _not_blank(line: Row) -> bool:
 
 @dataclass(frozen=True)
 class _RowReader:
-    """The single-machine command's rows from the rows Ray Data read from one input."""
+    """The single-machine job's rows from the rows Ray Data read from one input."""
 
     parquet: bool
 
@@ -142,7 +133,7 @@ class _RowReader:
 
 
 def _check_rows(path: Path, dataset: ray.data.Dataset) -> None:
-    """Raise CliError listing every bad row (and duplicate id) of the input."""
+    """Raise JobError listing every bad row (and duplicate id) of the input."""
     errors: list[str] = []
     seen: set[str] = set()
     reader = _RowReader(_is_parquet(path))
@@ -157,11 +148,11 @@ def _check_rows(path: Path, dataset: ray.data.Dataset) -> None:
         else:
             seen.add(row_id)
     if errors:
-        raise CliError(listed_errors(errors))
+        raise JobError(listed_errors(errors))
 
 
 class _Collector:
-    """A job body's `RowWriter` over one batch: each row's JSON line and its counts."""
+    """A job's `RowWriter` over one batch: each row's JSON line and its counts."""
 
     def __init__(self) -> None:
         self.rows: list[Row] = []
@@ -185,16 +176,16 @@ class _Collector:
 
 
 class _GenerateRows:
-    """What an actor does with a batch: the single-machine command's body over its rows."""
+    """What an actor does with a batch: the single-machine job's rows, generated."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self._args = args
-        self._reader = _RowReader(_is_parquet(args.input))
+    def __init__(self, spec: JobSpec) -> None:
+        self._spec = spec
+        self._reader = _RowReader(_is_parquet(spec.input))
 
     def __call__(self, llm: LLM, records: list[Row]) -> list[Row]:
         rows = [self._reader.row(record) for record in records]
         collector = _Collector()
-        generate_rows(rows, self._args, llm, list(range(len(rows))), collector)
+        generate_rows(self._spec, llm, rows, collector)
         return collector.rows
 
 

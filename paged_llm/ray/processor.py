@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
 import ray.data
 import torch
 
-from paged_llm.cli import refusal, render_messages
 from paged_llm.engine_args import EngineArgs
-from paged_llm.inputs import PromptType, TokensPrompt
+from paged_llm.exceptions import RequestError
+from paged_llm.inputs import TokensPrompt
+from paged_llm.jobs.requests import JobRequest, chat_prompt, run_requests, sampling_params_over
 from paged_llm.llm import LLM
 from paged_llm.outputs import RequestOutput
-from paged_llm.sampling_params import SamplingParams
 
 Row = dict[str, Any]
 # What an actor does with one batch of rows, given its LLM: the output rows.
@@ -131,23 +131,12 @@ class Processor:
     def _run_batch(self, llm: LLM, rows: list[Row]) -> list[Row]:
         if self.preprocess is not None:
             rows = [{**row, **self.preprocess(row)} for row in rows]
-        results: list[Row] = []
-        runnable: list[int] = []
-        prompts: list[PromptType] = []
-        params: list[SamplingParams] = []
-        for index, row in enumerate(rows):
-            request = _request(llm, row)
-            if isinstance(request, str):
-                results.append(_failed(request))
-                continue
-            results.append({})
-            runnable.append(index)
-            prompts.append(request[0])
-            params.append(request[1])
-        if runnable:
-            outputs = llm.generate(prompts, params, use_tqdm=False, on_error="skip")
-            for index, output in zip(runnable, outputs, strict=True):
-                results[index] = _generated(output)
+        results: list[Row] = [{} for _ in rows]
+        requests = [_request(llm, row) for row in rows]
+        for position, result in run_requests(llm, requests, progress=False):
+            results[position] = (
+                _failed(result.reason) if isinstance(result, RequestError) else _generated(result)
+            )
         done = [{**row, **result} for row, result in zip(rows, results, strict=True)]
         return done if self.postprocess is None else [self.postprocess(row) for row in done]
 
@@ -175,42 +164,46 @@ def build_processor(
     return Processor(config, preprocess, postprocess)
 
 
-def _request(llm: LLM, row: Row) -> tuple[PromptType, SamplingParams] | str:
+def _request(llm: LLM, row: Row) -> JobRequest | RequestError:
     """A row's prompt and sampling params, or why the row cannot run."""
     given = [column for column in PROMPT_COLUMNS if row.get(column) is not None]
     if len(given) != 1:
-        return (
+        return RequestError(
             f"a row needs exactly one of {', '.join(PROMPT_COLUMNS)} after preprocess, got "
             f"{', '.join(given) if given else 'none'}"
         )
     sampling = row.get("sampling_params") or {}
     if not isinstance(sampling, dict):
-        return f"sampling_params must be a dict of SamplingParams fields, got {sampling!r}"
-    try:
-        params = replace(
-            llm.get_default_sampling_params(),
-            **{name: value for name, value in sampling.items() if value is not None},
+        return RequestError(
+            f"sampling_params must be a dict of SamplingParams fields, got {sampling!r}",
+            parameter="sampling_params",
         )
-    except (TypeError, ValueError) as error:
-        return f"invalid sampling_params: {error}"
-    if params.n != 1:
-        return f"sampling_params n={params.n}: a row gets one completion; repeat the row instead"
-    column = given[0]
-    value = row[column]
-    if column == "messages":
-        rendered = render_messages(llm, list(value))
-        return rendered if isinstance(rendered, str) else (rendered, params)
-    if column == "prompt_token_ids":
-        return TokensPrompt(prompt_token_ids=list(value)), params
-    if not isinstance(value, str):
-        return f"prompt must be a str, got {type(value).__name__}"
-    return value, params
+    try:
+        params = sampling_params_over(
+            llm.get_default_sampling_params(),
+            {name: value for name, value in sampling.items() if value is not None},
+        )
+        if params.n != 1:
+            raise RequestError(
+                f"sampling_params n={params.n}: a row gets one completion; repeat the row instead",
+                parameter="n",
+            )
+        column = given[0]
+        value = row[column]
+        if column == "messages":
+            return chat_prompt(llm, list(value)), params
+        if column == "prompt_token_ids":
+            return TokensPrompt(prompt_token_ids=list(value)), params
+        if not isinstance(value, str):
+            raise RequestError(
+                f"prompt must be a str, got {type(value).__name__}", parameter="prompt"
+            )
+        return value, params
+    except RequestError as error:
+        return error
 
 
 def _generated(output: RequestOutput) -> Row:
-    error = refusal(output)
-    if error is not None:
-        return _failed(error, len(output.prompt_token_ids))
     (completion,) = output.outputs
     return {
         "generated_text": completion.text,
@@ -222,12 +215,12 @@ def _generated(output: RequestOutput) -> Row:
     }
 
 
-def _failed(error: str, num_prompt_tokens: int = 0) -> Row:
+def _failed(error: str) -> Row:
     return {
         "generated_text": "",
         "generated_token_ids": [],
         "num_generated_tokens": 0,
-        "num_prompt_tokens": num_prompt_tokens,
+        "num_prompt_tokens": 0,
         "finish_reason": None,
         "error": error,
     }

@@ -7,14 +7,15 @@ import json
 
 import pytest
 
-from paged_llm import batch_api
+from paged_llm.exceptions import RequestError
+from paged_llm.jobs import openai_batch
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.structured_outputs import StructuredOutputsParams
 
 
-def parse(record: object, first_line_of: dict[str, int] | None = None) -> batch_api.BatchRequest:
+def parse(record: object, first_line_of: dict[str, int] | None = None) -> openai_batch.BatchRequest:
     raw = record if isinstance(record, bytes) else json.dumps(record).encode()
-    return batch_api.parse_line(3, raw, {} if first_line_of is None else first_line_of)
+    return openai_batch.parse_line(3, raw, {} if first_line_of is None else first_line_of)
 
 
 def chat(body: dict, custom_id: str = "a") -> dict:
@@ -22,7 +23,7 @@ def chat(body: dict, custom_id: str = "a") -> dict:
     return {
         "custom_id": custom_id,
         "method": "POST",
-        "url": batch_api.CHAT_URL,
+        "url": openai_batch.CHAT_URL,
         "body": {"messages": messages, **body},
     }
 
@@ -31,7 +32,7 @@ def completion(body: dict) -> dict:
     return {
         "custom_id": "c",
         "method": "POST",
-        "url": batch_api.COMPLETIONS_URL,
+        "url": openai_batch.COMPLETIONS_URL,
         "body": {"prompt": "hi", **body},
     }
 
@@ -54,7 +55,7 @@ def test_body_fields_map_to_sampling_params() -> None:
     }
     request = parse(chat(body))
     assert request.error is None
-    params = batch_api.sampling_params(request, SamplingParams(), None)
+    params = openai_batch.sampling_params(request, SamplingParams(), None)
     assert params.max_tokens == 7  # max_completion_tokens wins over the older max_tokens
     assert (params.temperature, params.top_p, params.n, params.seed) == (0.5, 0.9, 3, 11)
     assert params.stop == ["###"]
@@ -71,28 +72,28 @@ def test_response_format_becomes_structured_outputs() -> None:
     ]
     for response_format, expected in cases:
         request = parse(chat({"response_format": response_format}))
-        params = batch_api.sampling_params(request, SamplingParams(), None)
+        params = openai_batch.sampling_params(request, SamplingParams(), None)
         assert params.structured_outputs == StructuredOutputsParams(**expected)
     text = parse(chat({"response_format": {"type": "text"}}))
-    assert batch_api.sampling_params(text, SamplingParams(), None).structured_outputs is None
+    assert openai_batch.sampling_params(text, SamplingParams(), None).structured_outputs is None
 
 
 def test_lengths_default_to_the_models_then_to_openais() -> None:
     defaults = SamplingParams(temperature=0.7)
-    chat_params = batch_api.sampling_params(parse(chat({})), defaults, None)
-    completion_params = batch_api.sampling_params(parse(completion({})), defaults, None)
+    chat_params = openai_batch.sampling_params(parse(chat({})), defaults, None)
+    completion_params = openai_batch.sampling_params(parse(completion({})), defaults, None)
     assert chat_params.max_tokens is None  # up to the context
     assert completion_params.max_tokens == 16
     assert chat_params.temperature == 0.7 and chat_params.logprobs is None
-    assert batch_api.sampling_params(parse(completion({})), defaults, 64).max_tokens == 64
-    logprobs = batch_api.sampling_params(parse(chat({"logprobs": True})), defaults, None)
+    assert openai_batch.sampling_params(parse(completion({})), defaults, 64).max_tokens == 64
+    logprobs = openai_batch.sampling_params(parse(chat({"logprobs": True})), defaults, None)
     assert logprobs.logprobs == 0
 
 
 def test_completion_prompts_are_text_or_token_ids() -> None:
-    assert batch_api.completion_prompt(parse(completion({"prompt": ["once"]}))) == "once"
+    assert openai_batch.completion_prompt(parse(completion({"prompt": ["once"]}))) == "once"
     request = parse(completion({"prompt": [[5, 6, 7]]}))
-    assert batch_api.completion_prompt(request) == {"prompt_token_ids": [5, 6, 7]}
+    assert openai_batch.completion_prompt(request) == {"prompt_token_ids": [5, 6, 7]}
 
 
 @pytest.mark.parametrize(
@@ -101,7 +102,11 @@ def test_completion_prompts_are_text_or_token_ids() -> None:
         (b"{not json", "not valid JSON", None),
         (b'{"custom_id": "\xff"}', "not valid UTF-8 (byte 0xff", None),
         ([1, 2], "expected a JSON object, got list", None),
-        ({"url": batch_api.CHAT_URL, "body": {}}, "'custom_id' must be a non-empty string", None),
+        (
+            {"url": openai_batch.CHAT_URL, "body": {}},
+            "'custom_id' must be a non-empty string",
+            None,
+        ),
         ({**chat({}), "url": "/v1/embeddings"}, "unsupported url '/v1/embeddings'", "url"),
         ({**chat({}), "method": "GET"}, "'method' must be \"POST\"", None),
         ({**chat({}), "body": "hi"}, "'body' must be a JSON object", "body"),
@@ -125,8 +130,8 @@ def test_a_bad_line_gets_its_reason_and_the_field_at_fault(
     request = parse(record)
     assert request.error is not None
     assert message in str(request.error)
-    assert request.error.param == param
-    line = batch_api.error_line(request, str(request.error), request.error.param)
+    assert request.error.parameter == param
+    line = openai_batch.error_line(request, request.error)
     assert line["response"]["status_code"] == 400
     assert line["response"]["body"]["error"]["message"].startswith("line 3: ")
     assert line["error"]["message"] == line["response"]["body"]["error"]["message"]
@@ -143,8 +148,8 @@ def test_a_bad_line_gets_its_reason_and_the_field_at_fault(
     ],
 )
 def test_values_out_of_range_are_refused_naming_the_field(body: dict, message: str) -> None:
-    with pytest.raises(batch_api.BatchLineError, match=message.replace("(", r"\(")):
-        batch_api.sampling_params(parse(chat(body)), SamplingParams(), None)
+    with pytest.raises(RequestError, match=message.replace("(", r"\(")):
+        openai_batch.sampling_params(parse(chat(body)), SamplingParams(), None)
 
 
 def test_ids_come_from_the_custom_id_and_a_duplicate_gets_its_own() -> None:

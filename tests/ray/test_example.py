@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,11 +12,11 @@ pytestmark = pytest.mark.slow
 
 
 def test_ray_dataset_generation_answers_every_question_once(
-    ray_address: str, tiny_model_dir: Callable[[str], Path], tmp_path: Path
+    ray_address: str, llama_dir: Path, tmp_path: Path
 ) -> None:
     out = run_example(
         "ray_dataset_generation.py",
-        *("--address", ray_address, "--model", str(tiny_model_dir("llama"))),
+        *("--address", ray_address, "--model", str(llama_dir)),
         *("--num-rows", "6", "--max-tokens", "4", "--max-model-len", "128"),
         *("--concurrency", "1", "--batch-size", "3", "--workdir", str(tmp_path)),
     )

@@ -9,33 +9,18 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 from paged_llm.cli import main
 
 pytestmark = pytest.mark.slow
 
 FLAGS = ["--max-model-len", "64", "--max-tokens", "6", "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir: Callable[[str], Path]) -> str:
-    return str(tiny_model_dir("llama"))
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def input_rows() -> list[dict[str, Any]]:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.test_cli import cli_env
+from tests.jobs.files import cli_env
 
 WITHOUT_RAY = """
 import sys

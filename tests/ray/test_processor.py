@@ -53,11 +53,6 @@ def postprocess(row: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model_dir: Callable[[str], Path]) -> str:
-    return str(tiny_model_dir("llama"))
-
-
-@pytest.fixture(scope="module")
 def reference(model: str) -> Iterator[Callable[[list[dict[str, Any]]], dict[int, Any]]]:
     """One `LLM` in this process: the (text, token ids) that each good row should get."""
     threads = torch.get_num_threads()

@@ -1,0 +1,75 @@
+"""From a job's rows to requests and back: every job kind (JSONL rows, OpenAI batch lines,
+Ray Data rows) maps a row to a prompt and its `SamplingParams`, or to the `RequestError`
+that says why it cannot run, and gets each result as it finishes, through these functions."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import fields, replace
+from typing import Any
+
+from paged_llm.exceptions import ConversationError, RequestError
+from paged_llm.frontend.input_processor import RejectedRequest
+from paged_llm.inputs import PromptType, TokensPrompt
+from paged_llm.llm import LLM
+from paged_llm.outputs import RequestOutput
+from paged_llm.sampling_params import SamplingParams
+
+# A row ready to run: its prompt and how to sample it.
+JobRequest = tuple[PromptType, SamplingParams]
+
+_SAMPLING_FIELDS = frozenset(field.name for field in fields(SamplingParams))
+
+
+def sampling_params_over(defaults: SamplingParams, values: Mapping[str, Any]) -> SamplingParams:
+    """``defaults`` with ``values`` (by SamplingParams field names) over them; a
+    `RequestError` names the field that is unknown or out of range."""
+    unknown = sorted(set(values) - _SAMPLING_FIELDS)
+    if unknown:
+        raise RequestError(
+            f"unknown SamplingParams field(s) {', '.join(map(repr, unknown))}",
+            parameter=unknown[0],
+        )
+    try:
+        return replace(defaults, **values)
+    except TypeError as error:
+        raise RequestError(f"invalid sampling parameters: {error}") from None
+    except ValueError as error:
+        raise RequestError.of(error) from None
+
+
+def chat_prompt(llm: LLM, messages: object) -> TokensPrompt:
+    """A chat row's prompt, rendered with the model's chat template; a `RequestError`
+    (parameter ``messages``) says why its messages cannot be."""
+    try:
+        return llm.render_chat(messages)  # type: ignore[arg-type]  # checked there
+    except ConversationError as error:
+        raise RequestError(f"cannot render messages: {error}", parameter="messages") from None
+
+
+def run_requests(
+    llm: LLM, requests: Sequence[JobRequest | RequestError], *, progress: bool
+) -> Iterator[tuple[int, RequestOutput | RequestError]]:
+    """``(position, output or error)`` for every entry of ``requests``: first the errors
+    given, then each request's output (or the reason the engine refused it) as it
+    finishes. Leaving the loop early cancels the requests still running."""
+    positions: list[int] = []
+    prompts: list[PromptType] = []
+    params: list[SamplingParams] = []
+    for position, request in enumerate(requests):
+        if isinstance(request, RequestError):
+            yield position, request
+        else:
+            positions.append(position)
+            prompts.append(request[0])
+            params.append(request[1])
+    if not prompts:
+        return
+    stream = llm.generate_stream(prompts, params, use_tqdm=progress, on_error="skip")
+    with contextlib.closing(stream):
+        for index, result in stream.results():
+            if isinstance(result, RejectedRequest):
+                yield positions[index], result.error
+            else:
+                yield positions[index], result

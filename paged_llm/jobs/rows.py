@@ -1,0 +1,192 @@
+"""The rows of a ``paged-llm generate`` job: ``{"id": ..., "prompt": "..."}`` or
+``{"id": ..., "messages": [...]}`` JSON objects, one per line (or Parquet records with the
+same columns), each optionally constrained by ``"structured_outputs"`` (the fields of
+`StructuredOutputsParams`) or OpenAI's ``"response_format"``.
+
+A malformed row (not JSON, no id, a duplicate id, neither or both of prompt and messages,
+malformed messages) is a bad line: a job lists every bad line and generates nothing. A row
+that is well formed but cannot run keeps its place and gets an error row instead: text
+that is not valid Unicode (JSON can spell a lone UTF-16 surrogate, ``"\\ud83d"``, an emoji
+cut in half, which no tokenizer or UTF-8 file can hold), or a prompt the model refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from paged_llm.exceptions import ConversationError
+from paged_llm.frontend.chat import check_conversation
+from paged_llm.structured_outputs import StructuredOutputsParams
+
+# At most this many bad lines are listed before the rest are only counted.
+_MAX_LISTED_ERRORS = 20
+
+
+class JobError(Exception):
+    """A problem with a job's input or files, reported as one message (the command's exit
+    code 2)."""
+
+
+@dataclass(slots=True)
+class InputRow:
+    """One request of the input; ``line`` is 1-based, None where the input was read through
+    Ray Data (which keeps no line numbers; the row's id then tells which it is)."""
+
+    line: int | None
+    id: str | int
+    # The row's "prompt" text, or its chat "messages" (a row gives exactly one of them).
+    prompt: str | list[dict[str, Any]]
+    # Why the row cannot run (written as its error row instead of generating), or None.
+    error: str | None = None
+    # The row's "structured_outputs" or "response_format", or None.
+    structured_outputs: StructuredOutputsParams | None = None
+
+    def located(self, message: str) -> str:
+        """``message`` after the row's line number, where that is known."""
+        return message if self.line is None else f"line {self.line}: {message}"
+
+
+def read_input(path: Path) -> list[InputRow]:
+    """Parse and validate the input JSONL; raise JobError listing every bad line."""
+    rows: list[InputRow] = []
+    errors: list[str] = []
+    first_line_of: dict[str | int, int] = {}
+    with open(path, "rb") as lines:
+        for line_number, raw in enumerate(lines, start=1):
+            if not raw.strip():
+                continue
+            try:
+                row = parse_line(line_number, decode_line(raw), first_line_of)
+            except ValueError as error:
+                errors.append(f"{path}:{line_number}: {error}")
+                continue
+            first_line_of[row.id] = line_number
+            rows.append(row)
+    if errors:
+        raise JobError(listed_errors(errors))
+    return rows
+
+
+def listed_errors(errors: list[str]) -> str:
+    """The message that refuses an input with these bad lines."""
+    listed = errors[:_MAX_LISTED_ERRORS]
+    if len(errors) > len(listed):
+        listed.append(f"... and {len(errors) - len(listed)} more bad lines")
+    return f"{len(errors)} bad line(s) in the input; nothing was generated:\n" + "\n".join(listed)
+
+
+def decode_line(raw: bytes) -> str:
+    """An input line's text; ValueError for one that is not UTF-8, naming the byte."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"not valid UTF-8 (byte {raw[error.start]:#04x} at column {error.start + 1})"
+        ) from None
+
+
+def parse_json(text: str) -> object:
+    """A line's JSON value; ValueError naming the column where it is not JSON."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"not valid JSON ({error.msg} at column {error.colno})") from None
+
+
+def _lone_surrogate(value: object) -> str | None:
+    """The first lone UTF-16 surrogate in a JSON value's strings (keys included), or None."""
+    if isinstance(value, str):
+        match = re.search("[\ud800-\udfff]", value)
+        return None if match is None else f"\\u{ord(match.group()):04x}"
+    items: list[object] = []
+    if isinstance(value, dict):
+        items = [*value.keys(), *value.values()]
+    elif isinstance(value, list):
+        items = value
+    for item in items:
+        if (found := _lone_surrogate(item)) is not None:
+            return found
+    return None
+
+
+def parse_line(line_number: int | None, text: str, first_line_of: dict[str | int, int]) -> InputRow:
+    """One input line as a row; ValueError says why it is a bad line. ``first_line_of`` maps
+    the ids seen so far to their lines, to refuse a duplicate."""
+    return parse_record(line_number, parse_json(text), first_line_of)
+
+
+def parse_record(
+    line_number: int | None, record: object, first_line_of: dict[str | int, int]
+) -> InputRow:
+    """One input record (a line's JSON value, or a Parquet row) as a row; ValueError says why
+    it is a bad line."""
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    if "id" not in record:
+        raise ValueError("missing 'id'")
+    row_id = record["id"]
+    if isinstance(row_id, bool) or not isinstance(row_id, (str, int)):
+        raise ValueError(f"'id' must be a string or an integer, got {row_id!r}")
+    if row_id in first_line_of:
+        raise ValueError(f"duplicate id {row_id!r} (first seen on line {first_line_of[row_id]})")
+    prompt, messages = record.get("prompt"), record.get("messages")
+    if (prompt is None) == (messages is None):
+        which = "both 'prompt' and" if prompt is not None else "neither 'prompt' nor"
+        raise ValueError(f"row {row_id!r} has {which} 'messages'; give exactly one")
+    text_or_messages: str | list[dict[str, Any]]
+    if messages is None:
+        if not isinstance(prompt, str):
+            raise ValueError(f"'prompt' must be a string, got {type(prompt).__name__}")
+        text_or_messages = prompt
+    else:
+        try:
+            text_or_messages = check_conversation(messages)
+        except ConversationError as error:
+            raise ValueError(messages_problem(error)) from None
+    row = InputRow(
+        line_number, row_id, text_or_messages, structured_outputs=_structured_outputs(record)
+    )
+    # NOTE: a lone surrogate fails the row, not the job: the tokenizer cannot take it, but the
+    # row is well formed, and its error row tells the user which one to fix.
+    for field, value in (
+        ("id", row_id),
+        ("prompt" if messages is None else "messages", row.prompt),
+    ):
+        if (surrogate := _lone_surrogate(value)) is not None:
+            row.error = row.located(
+                f"the {field} is not valid Unicode: it has a lone surrogate {surrogate} (half "
+                "of a UTF-16 pair, e.g. an emoji cut in two)"
+            )
+            break
+    return row
+
+
+def messages_problem(error: ConversationError) -> str:
+    """A row's malformed ``messages``, worded as its fields are named."""
+    if error.message is None:
+        return f"'messages' {error.reason}"
+    return f"messages[{error.message}]: {error.reason}"
+
+
+def _structured_outputs(record: dict[str, Any]) -> StructuredOutputsParams | None:
+    """A row's constraint, from "structured_outputs" or OpenAI's "response_format"."""
+    given, response_format = record.get("structured_outputs"), record.get("response_format")
+    if given is not None and response_format is not None:
+        raise ValueError("give 'structured_outputs' or 'response_format', not both")
+    if response_format is not None:
+        return StructuredOutputsParams.from_response_format(response_format)
+    if given is None:
+        return None
+    if not isinstance(given, dict):
+        raise ValueError(f"'structured_outputs' must be an object, got {type(given).__name__}")
+    known = {field.name for field in fields(StructuredOutputsParams)}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ValueError(
+            f"'structured_outputs' has unknown fields {unknown}; known: {sorted(known)}"
+        )
+    return StructuredOutputsParams(**given)

@@ -1,0 +1,219 @@
+"""Running a file job: the rows not yet in the output, through one `LLM`, under the output
+lock, each result appended as it finishes.
+
+Two job kinds share everything here but the row format: ``generate`` (`paged_llm.jobs.rows`)
+and OpenAI batch files (`paged_llm.jobs.openai_batch`). Every row samples with a seed
+derived from the job's seed and its id, so a rerun, a resumed run and a run on any machine
+(Ray Data's actors call `generate_rows`) write the same row.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from paged_llm.exceptions import RequestError
+from paged_llm.jobs import openai_batch
+from paged_llm.jobs.output import OutputWriter, RowWriter, output_lock, recover_output
+from paged_llm.jobs.requests import JobRequest, chat_prompt, run_requests, sampling_params_over
+from paged_llm.jobs.rows import InputRow, JobError, read_input
+from paged_llm.llm import LLM
+from paged_llm.outputs import RequestOutput
+from paged_llm.seeds import derive_seed
+
+# Used when neither the job nor the model's generation_config sets a length: vLLM's
+# SamplingParams default of 16 tokens is too short for a dataset job.
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One file job: its files, the engine that runs it, and how it samples."""
+
+    input: Path
+    output: Path
+    model: str
+    # `LLM` keyword arguments (`EngineArgs` fields); the job's seed is the LLM's too.
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Each row samples with a seed derived from this and its id, unless it sets its own.
+    seed: int = 0
+    # Continue an existing output: skip the ids it holds, repair a torn last line.
+    resume: bool = False
+    # Show the progress bar.
+    progress: bool = True
+    # generate: SamplingParams fields over the model's defaults for every row (a batch
+    # file's lines set their own).
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        return {"seed": self.seed, **self.engine_kwargs}
+
+
+# Writes the output rows of the pending input rows (those at the given input positions).
+JobBody = Callable[[LLM, list[int], RowWriter], None]
+
+
+def run_generate_job(spec: JobSpec) -> int:
+    """``paged-llm generate``: every row of a JSONL file of {id, prompt | messages}; the
+    exit code."""
+    rows = read_input(spec.input)
+    return run_job(
+        spec,
+        [row.id for row in rows],
+        lambda llm, pending, writer: generate_rows(spec, llm, [rows[i] for i in pending], writer),
+    )
+
+
+def run_batch_job(spec: JobSpec) -> int:
+    """``paged-llm run-batch``: every request of an OpenAI Batch API file; the exit code."""
+    requests = openai_batch.read_requests(spec.input)
+    return run_job(
+        spec,
+        [request.key for request in requests],
+        lambda llm, pending, writer: _batch_requests(
+            spec, llm, [requests[i] for i in pending], writer
+        ),
+    )
+
+
+def run_job(spec: JobSpec, keys: list[str | int], body: JobBody) -> int:
+    """Run the input rows whose key is not yet in the output, under the output lock.
+
+    ``keys[i]`` is the ``id`` the output row of input row ``i`` is written under.
+    """
+    spec.output.parent.mkdir(parents=True, exist_ok=True)
+    with output_lock(spec.output):
+        # NOTE: checked under the lock, so that two jobs started together cannot both find
+        # the output empty.
+        if not spec.resume and spec.output.exists() and spec.output.stat().st_size > 0:
+            raise JobError(
+                f"{spec.output} already exists and is not empty. Pass --resume to continue it "
+                "(rows already there are skipped), or choose another --output."
+            )
+        done = recover_output(spec.output) if spec.resume else set()
+        pending = [index for index, key in enumerate(keys) if key not in done]
+        stray = len(done - set(keys))
+        if stray:
+            print(f"Note: {stray} id(s) in {spec.output} are not in the input.", file=sys.stderr)
+        if not pending:
+            spec.output.touch()
+            print(f"Nothing to do: all {len(keys)} rows are already in {spec.output}.")
+            return 0
+        started = time.perf_counter()
+        with LLM(spec.model, **spec.llm_kwargs()) as llm, open(spec.output, "ab") as sink:
+            writer = OutputWriter(sink)
+            try:
+                body(llm, pending, writer)
+            except KeyboardInterrupt:
+                print(
+                    f"\nInterrupted after {writer.counts.num_written} rows; rerun with --resume to "
+                    "finish.",
+                    file=sys.stderr,
+                )
+                return 130
+    seconds = time.perf_counter() - started
+    print(writer.counts.summary(spec.output, len(keys) - len(pending), seconds))
+    return 0
+
+
+def generate_rows(spec: JobSpec, llm: LLM, rows: list[InputRow], writer: RowWriter) -> None:
+    """The output row of each input row: its sampling from the model's defaults and the
+    job's ``sampling``, its seed from the job's seed and its id, so it is the same row on
+    every machine."""
+    base = llm.get_default_sampling_params()
+    if llm.generation_config.get("max_new_tokens") is None:
+        base.max_tokens = DEFAULT_MAX_TOKENS
+    # NOTE: checked here, once, before any row runs: a bad flag is the job's error.
+    base = sampling_params_over(base, spec.sampling)
+    requests: list[JobRequest | RequestError] = []
+    for row in rows:
+        if row.error is not None:
+            requests.append(RequestError(row.error))
+            continue
+        try:
+            prompt = row.prompt if isinstance(row.prompt, str) else chat_prompt(llm, row.prompt)
+        except RequestError as error:
+            requests.append(error)
+            continue
+        seed = derive_seed(spec.seed, row.id)
+        params = sampling_params_over(
+            base, {"seed": seed, "structured_outputs": row.structured_outputs}
+        )
+        requests.append((prompt, params))
+    for position, result in run_requests(llm, requests, progress=spec.progress):
+        row = rows[position]
+        if isinstance(result, RequestError):
+            # NOTE: a row's own error already names its line.
+            reason = result.reason if row.error is not None else row.located(result.reason)
+            writer.write({"id": row.id, "error": reason}, error=True)
+        else:
+            record = _output_record(row.id, result)
+            writer.write(
+                record,
+                error=False,
+                prompt_tokens=record["prompt_tokens"],
+                completion_tokens=record["completion_tokens"],
+            )
+
+
+def _output_record(row_id: str | int, output: RequestOutput) -> dict[str, Any]:
+    completions = [
+        {
+            "index": completion.index,
+            "text": completion.text,
+            "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason,
+            "completion_tokens": len(completion.token_ids),
+        }
+        for completion in output.outputs
+    ]
+    return {
+        "id": row_id,
+        "outputs": completions,
+        "prompt_tokens": len(output.prompt_token_ids),
+        "completion_tokens": sum(c["completion_tokens"] for c in completions),
+    }
+
+
+def _batch_requests(
+    spec: JobSpec, llm: LLM, requests: list[openai_batch.BatchRequest], writer: RowWriter
+) -> None:
+    """The output line of each batch request; a line without a seed samples with one
+    derived from the job's seed and its custom_id."""
+    defaults = llm.get_default_sampling_params()
+    model_max_tokens = llm.generation_config.get("max_new_tokens")
+    prepared: list[JobRequest | RequestError] = []
+    for request in requests:
+        try:
+            if request.error is not None:
+                raise request.error
+            params = openai_batch.sampling_params(request, defaults, model_max_tokens)
+            if params.seed is None:
+                assert request.custom_id is not None  # a line without one has an error
+                params.seed = derive_seed(spec.seed, request.custom_id)
+            prompt = (
+                chat_prompt(llm, request.body["messages"])
+                if request.is_chat
+                else openai_batch.completion_prompt(request)
+            )
+        except RequestError as error:
+            prepared.append(error)
+            continue
+        prepared.append((prompt, params))
+    for position, result in run_requests(llm, prepared, progress=spec.progress):
+        request = requests[position]
+        if isinstance(result, RequestError):
+            writer.write(openai_batch.error_line(request, result), error=True)
+            continue
+        line = openai_batch.success_line(request, result, spec.model, int(time.time()))
+        usage = line["response"]["body"]["usage"]
+        writer.write(
+            line,
+            error=False,
+            prompt_tokens=usage["prompt_tokens"],
+            completion_tokens=usage["completion_tokens"],
+        )
