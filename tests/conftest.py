@@ -6,11 +6,15 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 import transformers
 from transformers import AutoTokenizer
+
+if TYPE_CHECKING:
+    from paged_llm import LLM
 
 # NOTE: before anything imports csrc_triton: @triton.jit reads this at decoration time. Without a
 # GPU, Triton kernels run (slowly) under the interpreter.
@@ -132,6 +136,45 @@ def tiny_model_dir(
         return made[name]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
+    """The tiny random-weight Llama most engine tests run."""
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def model(llama_dir: Path) -> str:
+    """The tiny Llama as the ``model`` argument of `LLM` and of the command line."""
+    return str(llama_dir)
+
+
+@pytest.fixture(scope="module")
+def model_dir(llama_dir: Path) -> Path:
+    """The model of a module's `llm`; a module overrides it to run another one."""
+    return llama_dir
+
+
+@pytest.fixture(scope="module")
+def llm(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[LLM]:
+    """One `LLM` per test module, on ``model_dir``, with the module's ``MAX_MODEL_LEN``."""
+    # Imported here: this module sets TRITON_INTERPRET before anything of ours is imported.
+    from paged_llm import LLM
+
+    with LLM(model_dir, max_model_len=request.module.MAX_MODEL_LEN) as instance:
+        yield instance
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """torch on one thread for the test: a tiny model gains nothing from a second one, and
+    on a busy 2-core machine OpenMP threads that wait on each other make every step many
+    times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def hf_greedy(

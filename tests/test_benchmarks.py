@@ -8,7 +8,6 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -73,8 +72,8 @@ def test_workload_flops_counts_each_computed_token_once() -> None:
     assert workload_flops(params, 5, 4, 1) == 2 * (10 * 8 + 3 * 4)
 
 
-def test_matmul_params_counts_linear_weights(tiny_model_dir: Callable[[str], Path]) -> None:
-    params = matmul_params(str(tiny_model_dir("llama")))
+def test_matmul_params_counts_linear_weights(llama_dir: Path) -> None:
+    params = matmul_params(str(llama_dir))
     hidden, intermediate, head_dim = 64, 128, 16
     attention = 2 * hidden * 4 * head_dim + 2 * hidden * 2 * head_dim  # q, o; k, v
     assert params.body == 2 * (attention + 3 * hidden * intermediate)
@@ -103,15 +102,13 @@ def run_module(module: str, *args: str, timeout: float = 300) -> None:
 
 
 @pytest.mark.slow
-def test_throughput_runs_every_engine_kind(
-    tiny_model_dir: Callable[[str], Path], tmp_path: Path
-) -> None:
+def test_throughput_runs_every_engine_kind(llama_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "throughput.json"
     # Workload b: chat-template prompts, which share the template's default system prompt
     # (c's long one would not fit the tiny model's 512-token context).
     run_module(
         "benchmarks.throughput",
-        "--model", str(tiny_model_dir("llama")),
+        "--model", str(llama_dir),
         "--workload", "b",
         "--num-requests", "4",
         "--output-len", "4", "8",
@@ -151,12 +148,12 @@ def test_throughput_runs_every_engine_kind(
 
 @pytest.mark.slow
 def test_throughput_runs_tensor_and_data_parallel_paged_llm_beside_one_process(
-    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+    llama_dir: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "throughput.json"
     run_module(
         "benchmarks.throughput",
-        "--model", str(tiny_model_dir("llama")),
+        "--model", str(llama_dir),
         "--workload", "a",
         "--num-requests", "6",
         "--input-len", "8", "32",
@@ -180,12 +177,12 @@ def test_throughput_runs_tensor_and_data_parallel_paged_llm_beside_one_process(
 
 @pytest.mark.slow
 def test_throughput_runs_structured_json_beside_the_unconstrained_run(
-    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+    llama_dir: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "throughput.json"
     run_module(
         "benchmarks.throughput",
-        "--model", str(tiny_model_dir("llama")),
+        "--model", str(llama_dir),
         "--workload", "a",
         "--num-requests", "4",
         "--input-len", "8", "16",
@@ -212,12 +209,12 @@ def test_linear_kernels_times_every_weight_format() -> None:
 
 @pytest.mark.slow
 def test_throughput_runs_quantized_weights_beside_float_with_memory_and_perplexity(
-    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+    llama_dir: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "throughput.json"
     run_module(
         "benchmarks.throughput",
-        "--model", str(tiny_model_dir("llama")),
+        "--model", str(llama_dir),
         "--workload", "a",
         "--num-requests", "4",
         "--input-len", "8", "16",
@@ -241,7 +238,7 @@ def test_throughput_runs_quantized_weights_beside_float_with_memory_and_perplexi
 
 @pytest.mark.slow
 def test_gpu_check_script_runs_every_step_at_toy_sizes_on_the_cpu(
-    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+    llama_dir: Path, tmp_path: Path
 ) -> None:
     config_path = tmp_path / "tiny-qwen3.json"
     config_path.write_text(json.dumps(TINY_QWEN3_CONFIG))
@@ -249,7 +246,7 @@ def test_gpu_check_script_runs_every_step_at_toy_sizes_on_the_cpu(
     env = {
         **worker_env(THREADS),
         "OUT": str(out),
-        "SMOKE_MODEL": str(tiny_model_dir("llama")),
+        "SMOKE_MODEL": str(llama_dir),
         "SMOKE_CONFIG": str(config_path),
     }
     completed = subprocess.run(
@@ -271,16 +268,14 @@ def test_gpu_check_script_runs_every_step_at_toy_sizes_on_the_cpu(
 
 
 @pytest.mark.slow
-def test_latency_sweep_on_a_random_weight_model(
-    tiny_model_dir: Callable[[str], Path], tmp_path: Path
-) -> None:
+def test_latency_sweep_on_a_random_weight_model(llama_dir: Path, tmp_path: Path) -> None:
     # --random-weights-config builds the model from a config; --model gives the tokenizer.
     config_path = tmp_path / "tiny-qwen3.json"
     config_path.write_text(json.dumps(TINY_QWEN3_CONFIG))
     out = tmp_path / "latency.json"
     run_module(
         "benchmarks.latency",
-        "--model", str(tiny_model_dir("llama")),
+        "--model", str(llama_dir),
         "--random-weights-config", str(config_path),
         "--input-len", "16",
         "--output-len", "4",
@@ -303,12 +298,12 @@ def test_latency_sweep_on_a_random_weight_model(
 
 @pytest.mark.slow
 def test_beam_search_benchmark_agrees_with_the_vllm_style_loop(
-    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+    llama_dir: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "beam_search.json"
     run_module(
         "benchmarks.beam_search",
-        "--model", str(tiny_model_dir("llama")),
+        "--model", str(llama_dir),
         "--num-prompts", "3",
         "--input-len", "8",
         "--output-len", "5",
@@ -323,12 +318,12 @@ def test_beam_search_benchmark_agrees_with_the_vllm_style_loop(
 
 @pytest.mark.slow
 def test_shared_context_scoring_serves_contexts_from_the_cache_with_the_same_scores(
-    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+    llama_dir: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "shared_context_scoring.json"
     run_module(
         "benchmarks.shared_context_scoring",
-        "--model", str(tiny_model_dir("llama")),
+        "--model", str(llama_dir),
         "--num-questions", "3",
         "--context-len", "40",
         "--out", str(out),
@@ -342,13 +337,11 @@ def test_shared_context_scoring_serves_contexts_from_the_cache_with_the_same_sco
 
 
 @pytest.mark.slow
-def test_op_profile_lists_operators_by_self_time(
-    tiny_model_dir: Callable[[str], Path], tmp_path: Path
-) -> None:
+def test_op_profile_lists_operators_by_self_time(llama_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
     run_module(
         "benchmarks.op_profile",
-        "--model", str(tiny_model_dir("llama")),
+        "--model", str(llama_dir),
         "--workload", "b",
         "--num-requests", "3",
         "--output-len", "2", "4",
@@ -434,13 +427,11 @@ def test_the_bfloat16_roofline_times_float32_gemms_where_onednn_has_no_bfloat16(
 
 
 @pytest.mark.slow
-def test_decode_step_times_each_batch_size(
-    tiny_model_dir: Callable[[str], Path], tmp_path: Path
-) -> None:
+def test_decode_step_times_each_batch_size(llama_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "decode.json"
     run_module(
         "benchmarks.decode_step",
-        "--model", str(tiny_model_dir("llama")),
+        "--model", str(llama_dir),
         "--batch-sizes", "1,3",
         "--context-len", "20",
         "--steps", "3",
@@ -461,12 +452,12 @@ def test_decode_step_times_each_batch_size(
 
 
 def test_batch_invariance_benchmark_times_both_engines_and_counts_changed_reruns(
-    tiny_model_dir: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+    llama_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from benchmarks.batch_invariance import main
 
     main(
-        ["--model", str(tiny_model_dir("llama")), "--num-requests", "3", "--rounds", "1",
+        ["--model", str(llama_dir), "--num-requests", "3", "--rounds", "1",
          "--output-len", "4", "4"]
     )  # fmt: skip
     report = capsys.readouterr().out
@@ -481,7 +472,7 @@ FAKE_VLLM_DIR = Path(__file__).parent / "fake_vllm"
 
 
 def test_vllm_worker_answers_the_job_the_benchmark_writes(
-    tiny_model_dir: Callable[[str], Path],
+    llama_dir: Path,
     tokenizer: transformers.PreTrainedTokenizerBase,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -494,7 +485,7 @@ def test_vllm_worker_answers_the_job_the_benchmark_writes(
         WorkloadSpec("b", num_requests=3, min_output_len=2, max_output_len=5), tokenizer
     )
     options = EngineOptions(
-        model_dir=str(tiny_model_dir("llama")),
+        model_dir=str(llama_dir),
         dtype="float32",
         device="cpu",
         threads=THREADS,
@@ -520,12 +511,12 @@ def test_vllm_worker_answers_the_job_the_benchmark_writes(
 
 
 def test_the_vllm_engine_refuses_to_run_without_a_vllm_python(
-    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+    llama_dir: Path, tmp_path: Path
 ) -> None:
     missing = tmp_path / "no-venv" / "bin" / "python"
     completed = subprocess.run(
         [sys.executable, "-m", "benchmarks.throughput", "--engines", "paged_llm,vllm",
-         "--vllm-python", str(missing), "--model", str(tiny_model_dir("llama"))],
+         "--vllm-python", str(missing), "--model", str(llama_dir)],
         cwd=REPO_ROOT,
         env=worker_env(THREADS),
         capture_output=True,

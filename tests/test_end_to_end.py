@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,12 +32,6 @@ MAX_MODEL_LEN = 1024
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
     return resolve_model(DEFAULT_MODEL).path
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir: Path) -> Iterator[LLM]:
-    with LLM(model_dir, max_model_len=MAX_MODEL_LEN) as instance:
-        yield instance
 
 
 def test_greedy_chat_equals_transformers(llm: LLM, model_dir: Path) -> None:

@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import jsonschema
@@ -18,11 +17,6 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO_ROOT / "examples"
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir: Callable[[str], Path]) -> str:
-    return str(tiny_model_dir("llama"))
 
 
 def run_example(script: str, *args: str) -> str:

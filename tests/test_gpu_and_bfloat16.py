@@ -109,11 +109,9 @@ def test_bfloat16_agrees_with_transformers(
 
 
 @pytest.mark.gpu
-def test_kv_cache_is_sized_from_gpu_memory(tiny_model_dir: Callable[[str], Path]) -> None:
+def test_kv_cache_is_sized_from_gpu_memory(llama_dir: Path) -> None:
     total = torch.cuda.get_device_properties(0).total_memory
-    with LLM(
-        tiny_model_dir("llama"), device="cuda", max_model_len=512, gpu_memory_utilization=0.3
-    ) as llm:
+    with LLM(llama_dir, device="cuda", max_model_len=512, gpu_memory_utilization=0.3) as llm:
         runner = llm.engine.model_runner
         cache_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
         assert 0.1 * total < cache_bytes < 0.3 * total

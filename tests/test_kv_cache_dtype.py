@@ -129,7 +129,7 @@ def test_fp8_greedy_matches_transformers_over_fp8_rounded_kv(
 
 
 def test_the_same_memory_holds_2x_the_tokens_of_bfloat16_and_4x_of_float32_in_fp8(
-    tiny_model_dir: Callable[[str], Path], caplog: pytest.LogCaptureFixture
+    llama_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # The tiny llama: 2 layers x 2 KV heads x head_dim 16, K and V: 128 elements a token.
     memory = 128 * 4 * 1024
@@ -143,7 +143,7 @@ def test_the_same_memory_holds_2x_the_tokens_of_bfloat16_and_4x_of_float32_in_fp
         with (
             caplog.at_level(logging.INFO, logger="paged_llm"),
             LLM(
-                tiny_model_dir("llama"),
+                llama_dir,
                 dtype=dtype,
                 kv_cache_dtype=kv_cache_dtype,
                 kv_cache_memory_bytes=memory,
@@ -161,20 +161,20 @@ def test_the_same_memory_holds_2x_the_tokens_of_bfloat16_and_4x_of_float32_in_fp
     assert "(2048 tokens, 0.00 GiB per rank, bfloat16)" in caplog.text
     # The start-up log also says what the weights take: each checkpoint tensor once (the
     # oneDNN-packed copies replace the dense ones).
-    with safe_open(str(tiny_model_dir("llama") / "model.safetensors"), "pt") as checkpoint:
+    with safe_open(str(llama_dir / "model.safetensors"), "pt") as checkpoint:
         elements = sum(checkpoint.get_tensor(name).numel() for name in checkpoint.keys())  # noqa: SIM118
     assert f"Weights: {4 * elements / 2**20:.1f} MiB, not quantized (float32 " in caplog.text
     assert f"Weights: {2 * elements / 2**20:.1f} MiB, not quantized (bfloat16 " in caplog.text
 
 
 def test_capacity_survives_since_and_kv_cache_dtype_names_are_checked(
-    tiny_model_dir: Callable[[str], Path],
+    llama_dir: Path,
 ) -> None:
-    with LLM(tiny_model_dir("llama"), max_model_len=64, kv_cache_memory_bytes=2**19) as llm:
+    with LLM(llama_dir, max_model_len=64, kv_cache_memory_bytes=2**19) as llm:
         before = llm.get_metrics()
         assert before.since(before).kv_cache_capacity_tokens == 1024
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_e4m3fn'.*'fp8_e5m2'"):
-        LLM(tiny_model_dir("llama"), kv_cache_dtype="fp8_e4m3fn")
+        LLM(llama_dir, kv_cache_dtype="fp8_e4m3fn")
 
 
 @pytest.mark.slow
@@ -206,11 +206,11 @@ def test_fp8_kv_keeps_smollm2_perplexity_within_3_percent_and_its_top_token() ->
 
 @pytest.mark.slow
 def test_fp8_greedy_on_two_ranks_matches_transformers_over_fp8_rounded_kv(
-    tiny_model_dir: Callable[[str], Path],
+    llama_dir: Path,
     fp8_references: Callable[[str, str, bool], tuple[list[list[int]], list[list[int]]]],
 ) -> None:
     """Each rank stores its own KV heads in fp8; the tokens are those of one process."""
-    model_dir = tiny_model_dir("llama")
+    model_dir = llama_dir
     settings, shared_prefix = group_settings(model_dir, "chunked-prefill+preemption")
     # The same blocks: one byte an element (not 4), and one of the 2 KV heads per rank.
     settings["kv_cache_memory_bytes"] //= 4 * 2
@@ -233,7 +233,7 @@ def test_batch_invariant_fp8_outputs_and_logprobs_are_bit_identical_however_they
 
 
 def test_beam_forks_copy_fp8_blocks_and_change_no_beam(
-    tiny_model_dir: Callable[[str], Path],
+    llama_dir: Path,
 ) -> None:
     """A branching beam copies its parent's partial last block (here, fp8 bytes): the beams
     equal those of 1-token blocks, where no block is ever partial and nothing is copied."""
@@ -241,9 +241,7 @@ def test_beam_forks_copy_fp8_blocks_and_change_no_beam(
     params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
     beams = {}
     for block_size in (4, 1):
-        with LLM(
-            tiny_model_dir("llama"), kv_cache_dtype="fp8", max_model_len=64, block_size=block_size
-        ) as llm:
+        with LLM(llama_dir, kv_cache_dtype="fp8", max_model_len=64, block_size=block_size) as llm:
             runner = llm.engine.model_runner
             copies: list[int] = []
 

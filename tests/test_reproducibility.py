@@ -87,8 +87,8 @@ def check_bit_identical_however_run(
         assert constrained.get_metrics().num_preemptions > 0
 
 
-def test_batch_invariance_is_validated(tiny_model_dir: Callable[[str], Path]) -> None:
-    model_dir = tiny_model_dir("llama")
+def test_batch_invariance_is_validated(llama_dir: Path) -> None:
+    model_dir = llama_dir
     with pytest.raises(ValueError, match=r"batch_invariant must be a bool, got 'yes'"):
         LLM(model_dir, batch_invariant="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"batch_invariant=True is implemented for tensor_paral"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import jsonschema
@@ -147,17 +147,6 @@ CONSTRAINTS: list[tuple[StructuredOutputsParams, Check]] = [
         for choice in CHOICES
     ),
 ]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir: Path) -> Iterator[LLM]:
-    with LLM(model_dir, max_model_len=MAX_MODEL_LEN) as instance:
-        yield instance
 
 
 def _assert_valid(outputs: list[RequestOutput], checks: list[Check], min_share: float) -> None:

@@ -8,7 +8,6 @@ import importlib
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,6 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 import lm_eval
 import pytest
-import torch
 from lm_eval.tasks import TaskManager
 
 import paged_llm
@@ -27,6 +25,8 @@ import paged_llm.cli
 import paged_llm.integrations
 from paged_llm.cli import main
 from paged_llm.integrations import lm_eval as integration
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "lm_eval"
 TASKS = ["tiny_mc", "tiny_rolling", "tiny_generate"]
@@ -66,15 +66,6 @@ metric_list:
   - metric: exact_match
 """,
 }
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # NOTE: a tiny model gains nothing from a second thread on a busy 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +135,8 @@ def check_same_as_hf(ours: dict[str, Any], hf: dict[str, Any], tasks: list[str])
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tiny_model_dir: Callable[[str], Path]) -> str:
-    return str(tiny_model_dir("llama"))
+def tiny_model(llama_dir: Path) -> str:
+    return str(llama_dir)
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +210,9 @@ def test_lm_eval_model_arguments_reach_the_llm(tiny_model: str) -> None:
     )
     with model.llm:
         assert model.max_length == model.llm.config.max_model_len == 256
-        assert model.llm.config.max_num_seqs == 8  # max_batch_size, as lm-eval's vLLM model
+        assert (
+            model.llm.config.scheduler.max_num_seqs == 8
+        )  # max_batch_size, as lm-eval's vLLM model
         assert model.prefix_token_id == model.tokenizer.bos_token_id
     with pytest.raises(
         ValueError, match="device='cuda:1': paged_llm takes 'auto', 'cpu' or 'cuda'"

@@ -176,9 +176,9 @@ def test_two_ranks_split_the_quantized_weights(
     assert two_ranks == one_rank
 
 
-def test_gguf_quantization_needs_a_gguf_model(tiny_model_dir: Callable[[str], Path]) -> None:
+def test_gguf_quantization_needs_a_gguf_model(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"quantization='gguf'.*Pass the \.gguf file"):
-        LLM(tiny_model_dir("llama"), quantization="gguf")
+        LLM(llama_dir, quantization="gguf")
 
 
 @pytest.fixture
