@@ -49,12 +49,6 @@ def model_dir(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
 
 
 @pytest.fixture(scope="module")
-def llm(model_dir: Path) -> Iterator[LLM]:
-    with LLM(model_dir, max_model_len=MAX_MODEL_LEN) as instance:
-        yield instance
-
-
-@pytest.fixture(scope="module")
 def tuned(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
     """One LLM with the vLLM arguments that change behaviour, as a vLLM script passes them."""
     template = tmp_path_factory.mktemp("template") / "tags.jinja"
