@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # paged_llm against vLLM's CPU build and transformers on workloads a, b and c, in float32
 # and bfloat16: one benchmarks.throughput run per workload and dtype, each engine in a fresh
-# process on the same seeded requests (the table of docs/benchmarks.md, "paged_llm vs vLLM
-# CPU"). Needs the venv of benchmarks/peers/setup_vllm_cpu.sh. Run from the repository root
+# process on the same seeded requests (the tables of docs/benchmarks.md, "paged_llm vs
+# vLLM's CPU build"). Needs the venv of benchmarks/peers/setup_vllm_cpu.sh. Run from the repository root
 # on a quiet machine:
 #     bash benchmarks/peers/compare_cpu.sh [OUT_DIR]
 #

@@ -8,8 +8,8 @@ kernel has no vector passes for the heads and cache (`csrc_cpu.vectorized_decode
 neither AVX-512 nor AVX2, other head sizes, fp8 caches), decodes that share a long prefix
 (a system prompt, served by the prefix cache) take the torch backend's cascade instead,
 which reads the prefix once for all of them: one layer of 64 decodes over a shared 448 of
-600 tokens took 9.4 ms there against 13.9 ms through the kernel's generic loops
-(docs/benchmarks.md). Where the kernel cannot be built (no compiler), this backend warns
+600 tokens takes 7.7 ms there against 8.4 ms through the kernel's generic loops on a Zen 3
+(docs/benchmarks.md, "Decode attention and the CPU kernels"). Where the kernel cannot be built (no compiler), this backend warns
 once and runs as the torch one.
 
 Batch-invariant mode sends every query token through the kernel, whose per-token result
