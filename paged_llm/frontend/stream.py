@@ -85,15 +85,15 @@ class GenerationStream:
         self._iterator: weakref.ref[Generator[tuple[int, RequestResult], None, None]] | None = None
 
     def __iter__(self) -> Iterator[tuple[int, RequestOutput]]:
-        return self._iterate(as_outputs=True)  # type: ignore[return-value]
+        return (
+            (index, error_output(result) if isinstance(result, RejectedRequest) else result)
+            for index, result in self.results()
+        )
 
     def results(self) -> Iterator[tuple[int, RequestResult]]:
         """``(input_index, RequestOutput | RejectedRequest)`` in completion order: a refused
         request as its `RejectedRequest`, whose `RequestError` names the parameter at fault
         and the reason apart."""
-        return self._iterate(as_outputs=False)
-
-    def _iterate(self, as_outputs: bool) -> Iterator[tuple[int, RequestResult]]:
         if self._closed:
             return iter(())
         if self._iterator is not None:
@@ -105,7 +105,6 @@ class GenerationStream:
             self._use_tqdm,
             self._skip_errors,
             self._log_stats,
-            as_outputs,
         )
         self._iterator = weakref.ref(iterator)
         return iterator
@@ -149,13 +148,7 @@ def _run(
     use_tqdm: ProgressBar,
     skip_errors: bool,
     log_stats: bool,
-    as_outputs: bool,
 ) -> Generator[tuple[int, RequestResult], None, None]:
-    def result(index: int, item: RequestResult) -> tuple[int, RequestResult]:
-        if as_outputs and isinstance(item, RejectedRequest):
-            return index, error_output(item)
-        return index, item
-
     lock.acquire()
     # NOTE: from here to the release, the engine's requests are this stream's only, so the
     # cleanup's abort_all cancels nothing of another call's.
@@ -175,7 +168,7 @@ def _run(
             for index, request in enumerate(requests):
                 if isinstance(request, RejectedRequest):
                     progress.update(1)
-                    yield result(index, request)
+                    yield index, request
                     continue
                 order[request.request_id] = index
                 engine.add_request(request)
@@ -190,7 +183,7 @@ def _run(
                         lost = requests[index]
                         assert isinstance(lost, EngineRequest)
                         progress.update(lost.params.n)
-                        yield result(index, _lost(lost, index, error))
+                        yield index, _lost(lost, index, error)
                     continue
                 for output in outputs:
                     num_prompt_tokens += len(output.prompt_token_ids)
