@@ -17,7 +17,11 @@ import re
 import typing
 from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    # Typeshed's protocol of a dataclass instance (what `dataclasses.fields` takes).
+    from _typeshed import DataclassInstance
 
 # Keys of a field's metadata.
 _DOC = "doc"
@@ -123,10 +127,10 @@ def refused_unless(accepts: tuple[Any, ...], doc: str) -> Any:
     return field(default=accepts[0], metadata={_DOC: doc, _KIND: "refused", _ACCEPTS: accepts})
 
 
-def check_settings(settings: object, owner: str) -> None:
+def check_settings(settings: DataclassInstance, owner: str) -> None:
     """Raise ValueError naming the first field of ``settings`` whose value its field does
     not accept. None passes `Valid` where it is the field's default."""
-    for setting in fields(settings):  # type: ignore[arg-type]
+    for setting in fields(settings):
         value = getattr(settings, setting.name)
         accepts = setting.metadata.get(_ACCEPTS)
         # NOTE: a bool matches only a bool: True == 1 would pass for a count.
@@ -148,12 +152,12 @@ def check_settings(settings: object, owner: str) -> None:
             )
 
 
-def resolved_setting(settings: object, name: str, platform: str) -> Any:
+def resolved_setting(settings: DataclassInstance, name: str, platform: str) -> Any:
     """The value of setting ``name``, or where it is None, its default on ``platform``."""
     value = getattr(settings, name)
     if value is not None:
         return value
-    setting = next(s for s in fields(settings) if s.name == name)  # type: ignore[arg-type]
+    setting = next(s for s in fields(settings) if s.name == name)
     defaults = setting.metadata.get(_PLATFORM_DEFAULTS) or {}
     return defaults.get(platform)
 

@@ -43,7 +43,7 @@ def chat_prompt(llm: LLM, messages: object) -> TokensPrompt:
     """A chat row's prompt, rendered with the model's chat template; a `RequestError`
     (parameter ``messages``) says why its messages cannot be."""
     try:
-        return llm.render_chat(messages)  # type: ignore[arg-type]  # checked there
+        return llm.chat_renderer.render(messages)
     except ConversationError as error:
         raise RequestError(f"cannot render messages: {error}", parameter="messages") from None
 
