@@ -8,9 +8,9 @@
 (`paged_llm.jobs.rows`); ``run-batch`` runs an OpenAI Batch API file
 (`paged_llm.jobs.openai_batch`). Both append each result as it finishes and flush it to
 disk, hold ``<output>.lock`` while they run, and with ``--resume`` repair a torn last line
-and run only the ids not yet written (`paged_llm.jobs.output`). Exit codes: 0 done, 1 an
-error of the model or its settings, 2 a problem with the input or output files, 130
-interrupted.
+and run only the ids not yet written (`paged_llm.jobs.output`); a symlinked ``--output`` is
+followed to its file (`paged_llm.jobs.runner.run_job`). Exit codes: 0 done, 1 an error of
+the model or its settings, 2 a problem with the input or output files, 130 interrupted.
 """
 
 from __future__ import annotations

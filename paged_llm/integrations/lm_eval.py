@@ -186,15 +186,18 @@ class PagedLM(TemplateLM):
 
         Only the continuation's positions are scored (``prompt_logprobs_start``), so the
         prefix cache serves a context that an earlier request computed: the choices of a
-        multiple-choice question share their context's blocks.
+        multiple-choice question share their context's blocks. An empty continuation scores
+        (0.0, True) without running, as lm-eval's vLLM model scores it (an empty sum, no
+        token that greedy decoding would miss).
         """
         # NOTE: the whole sequence is the prompt, and the engine needs room for one generated
         # token; a longer one keeps its last tokens, as lm-eval's models truncate.
         max_prompt_len = self.max_length - 1
+        scored = [index for index, (_, _, continuation) in enumerate(requests) if continuation]
         prompts: list[TokensPrompt] = []
         num_context = []
         params = []
-        for _, context, continuation in requests:
+        for _, context, continuation in (requests[index] for index in scored):
             whole = (context + continuation)[-max_prompt_len:]
             prompts.append(TokensPrompt(prompt_token_ids=whole))
             num_context.append(max(len(whole) - len(continuation), 1))
@@ -208,14 +211,12 @@ class PagedLM(TemplateLM):
                 )
             )
         outputs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm and self.rank == 0)
-        results = []
-        for (cache_key, _, _), output, context_len in zip(
-            requests, outputs, num_context, strict=True
-        ):
-            result = _continuation_score(output, context_len)
+        results = [(0.0, True)] * len(requests)
+        for index, output, context_len in zip(scored, outputs, num_context, strict=True):
+            results[index] = _continuation_score(output, context_len)
+        for (cache_key, _, _), result in zip(requests, results, strict=True):
             if cache_key is not None:
                 self.cache_hook.add_partial("loglikelihood", cache_key, result)
-            results.append(result)
         return results
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:

@@ -27,7 +27,7 @@ from paged_llm.exceptions import ConversationError, RequestError
 from paged_llm.frontend.chat import check_conversation
 from paged_llm.inputs import TokensPrompt
 from paged_llm.jobs.requests import sampling_params_over
-from paged_llm.jobs.rows import messages_problem
+from paged_llm.jobs.rows import decode_line, messages_problem, parse_json
 from paged_llm.outputs import Logprob, RequestOutput
 from paged_llm.sampling_params import SamplingParams
 from paged_llm.structured_outputs import StructuredOutputsParams
@@ -122,26 +122,21 @@ def parse_line(line: int, raw: bytes, first_line_of: dict[str, int]) -> BatchReq
     """
     request = BatchRequest(line, None, "", {})
     try:
-        record = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as error:
-        request.error = RequestError(
-            f"not valid UTF-8 (byte {raw[error.start]:#04x} at column {error.start + 1})"
-        )
-        return request
-    except json.JSONDecodeError as error:
-        request.error = RequestError(f"not valid JSON ({error.msg} at column {error.colno})")
+        record = parse_json(decode_line(raw))
+    except ValueError as error:
+        request.error = RequestError(str(error))
         return request
     try:
-        _check_line(line, record, first_line_of)
+        checked = _check_line(line, record, first_line_of)
     except RequestError as error:
         request.error = error
         if isinstance(record, dict) and isinstance(record.get("custom_id"), str):
             request.custom_id = record["custom_id"]
         return request
     request.custom_id, request.url, request.body = (
-        record["custom_id"],
-        record["url"],
-        record["body"],
+        checked["custom_id"],
+        checked["url"],
+        checked["body"],
     )
     first_line_of[request.custom_id] = line
     request.owns_custom_id = True
@@ -152,7 +147,8 @@ def parse_line(line: int, raw: bytes, first_line_of: dict[str, int]) -> BatchReq
     return request
 
 
-def _check_line(line: int, record: object, first_line_of: dict[str, int]) -> None:
+def _check_line(line: int, record: object, first_line_of: dict[str, int]) -> dict[str, Any]:
+    """The line's record once its fields are checked; RequestError says which is wrong."""
     if not isinstance(record, dict):
         raise RequestError(f"expected a JSON object, got {type(record).__name__}")
     custom_id = record.get("custom_id")
@@ -172,6 +168,7 @@ def _check_line(line: int, record: object, first_line_of: dict[str, int]) -> Non
         )
     if not isinstance(record.get("body"), dict):
         raise RequestError("'body' must be a JSON object", parameter="body")
+    return record
 
 
 def _check_body(request: BatchRequest) -> None:

@@ -23,7 +23,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
-from paged_llm.jobs.rows import JobError
+from paged_llm.jobs.rows import JobError, decode_line, parse_json
+
+# NOTE: every output row begins with these bytes (`json_line` with each job's records, which
+# put "id" first); `recover_output` takes a last line for a torn row only if it starts so.
+ROW_START = b'{"id": '
 
 
 def json_line(record: dict[str, Any]) -> bytes:
@@ -68,6 +72,8 @@ class RowCounts:
             setattr(self, count.name, getattr(self, count.name) + getattr(other, count.name))
 
     def summary(self, output: Path, num_skipped: int, seconds: float) -> str:
+        """The job's last line; ``seconds`` is the time spent generating, so that the output
+        tokens per second leave out loading the model."""
         return (
             f"Done: {self.num_written} rows written to {output} ({self.num_errors} errors), "
             f"{num_skipped} skipped as already done; {self.prompt_tokens} prompt + "
@@ -101,38 +107,47 @@ class OutputWriter:
 
 
 def recover_output(path: Path) -> set[str | int]:
-    """The ids already in an output file, after cutting it back to its last complete row and
-    removing rows whose id an earlier row already has.
+    """The ids already in an output file, after cutting away a torn last row and removing
+    rows whose id an earlier row already has.
 
-    A crash can leave the last line half written (no newline, or not valid JSON); it is
-    truncated away, and its request runs again. Duplicates (from writers that raced before
-    the output lock existed) keep the first row of each id; the file is then rewritten
-    through a temporary file and os.replace, so a crash leaves either the old or the new one.
+    Only what our own writer can leave behind is repaired: every complete line must be an
+    output row (a JSON object with a string or integer ``id``), and the bytes after the last
+    newline, if any, must be the start of one (a write cut short by a crash), which is
+    truncated away so that its request runs again. Anything else means the file is not a
+    job's output (or was edited): JobError names the file and the line, and no byte is
+    changed. Duplicates (from writers that raced before the output lock existed) keep the
+    first row of each id; the file is then rewritten through a temporary file and
+    os.replace, so a crash leaves either the old or the new one.
     """
     if not path.exists():
         return set()
     data = path.read_bytes()
     keep = data.rfind(b"\n") + 1
-    lines = data[:keep].splitlines(keepends=True)
+    # NOTE: split at newlines only, so line numbers are an editor's whatever else a line holds.
+    lines = [line + b"\n" for line in data[:keep].split(b"\n")[:-1]]
     ids: set[str | int] = set()
     unique: list[bytes] = []
     num_duplicates = 0
     for number, line in enumerate(lines, start=1):
         try:
-            row_id = json.loads(line)["id"]
-        except (ValueError, KeyError, TypeError):
-            if number < len(lines):
-                raise JobError(
-                    f"{path}:{number}: not a valid output row, and not the last line, so not a "
-                    "torn write; fix or remove that line, then rerun with --resume."
-                ) from None
-            keep -= len(line)
-            break
+            row_id = _row_id(line)
+        except ValueError as error:
+            raise JobError(
+                f"{path}:{number}: not an output row of paged-llm ({error}): {_shown(line)}. "
+                f"{_NOT_OURS}"
+            ) from None
         if row_id in ids:
             num_duplicates += 1
             continue
         ids.add(row_id)
         unique.append(line)
+    torn = data[keep:]
+    if torn and not (torn.startswith(ROW_START) or ROW_START.startswith(torn)):
+        raise JobError(
+            f"{path}:{len(lines) + 1}: not an output row of paged-llm, nor the start of one cut "
+            f"short by a crash (its rows begin with {ROW_START.decode()!r}): {_shown(torn)}. "
+            f"{_NOT_OURS}"
+        )
     if num_duplicates:
         # The rewrite also leaves out a torn last line.
         temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -146,15 +161,35 @@ def recover_output(path: Path) -> set[str | int]:
             "each id.",
             file=sys.stderr,
         )
-    elif keep < len(data):
+    elif torn:
         with open(path, "r+b") as sink:
             sink.truncate(keep)
-    if keep < len(data):
-        print(
-            f"Repaired {path}: dropped a torn last line ({len(data) - keep} bytes).",
-            file=sys.stderr,
-        )
+    if torn:
+        print(f"Repaired {path}: dropped a torn last line ({len(torn)} bytes).", file=sys.stderr)
     return ids
+
+
+_NOT_OURS = (
+    "--resume continues only a file this command wrote, and this one was left untouched: "
+    "check that --output names the right file, or fix or remove that line."
+)
+
+
+def _row_id(line: bytes) -> str | int:
+    """The id of a complete output line; ValueError says why the line is not an output row."""
+    record = parse_json(decode_line(line))
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    row_id = record.get("id")
+    if isinstance(row_id, bool) or not isinstance(row_id, (str, int)):
+        raise ValueError(f"its 'id' must be a string or an integer, got {type(row_id).__name__}")
+    return row_id
+
+
+def _shown(line: bytes) -> str:
+    """The start of a line, as it reads, for an error message."""
+    text = line.decode(errors="replace").rstrip("\n")
+    return repr(text if len(text) <= 60 else text[:60] + "...")
 
 
 @contextlib.contextmanager
@@ -164,8 +199,8 @@ def output_lock(output: Path) -> Iterator[None]:
     The lock file is created atomically (O_CREAT|O_EXCL) and holds ``pid host``. A lock whose
     holder is alive, or on another host where it cannot be checked, raises JobError naming the
     file and the pid; one whose pid is dead on this host (its holder was killed before it could
-    remove it) is taken over, with a note on stderr. The lock is removed when the body ends,
-    by an error or Ctrl-C too.
+    remove it) is taken over, with a note on stderr; a symbolic link in its place raises
+    JobError. The lock is removed when the body ends, by an error or Ctrl-C too.
     """
     lock = output.with_name(output.name + ".lock")
     host = socket.gethostname()
@@ -176,6 +211,12 @@ def output_lock(output: Path) -> Iterator[None]:
             break
         except FileExistsError:
             pass
+        # NOTE: O_EXCL never follows a link, but reading would: a link is no lock of ours.
+        if lock.is_symlink():
+            raise JobError(
+                f"{lock} is a symbolic link, not a lock file of paged-llm (it was left as it "
+                "is); remove it if no job is running on this output."
+            )
         try:
             held = lock.read_text()
         except FileNotFoundError:  # its holder just removed it

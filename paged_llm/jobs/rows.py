@@ -3,17 +3,19 @@
 same columns), each optionally constrained by ``"structured_outputs"`` (the fields of
 `StructuredOutputsParams`) or OpenAI's ``"response_format"``.
 
-A malformed row (not JSON, no id, a duplicate id, neither or both of prompt and messages,
-malformed messages) is a bad line: a job lists every bad line and generates nothing. A row
-that is well formed but cannot run keeps its place and gets an error row instead: text
-that is not valid Unicode (JSON can spell a lone UTF-16 surrogate, ``"\\ud83d"``, an emoji
-cut in half, which no tokenizer or UTF-8 file can hold), or a prompt the model refuses.
+A malformed row (not JSON, JSON nested deeper than `MAX_JSON_DEPTH`, no id, a duplicate id,
+neither or both of prompt and messages, malformed messages) is a bad line: a job lists every
+bad line and generates nothing. A row that is well formed but cannot run keeps its place and
+gets an error row instead: text that is not valid Unicode (JSON can spell a lone UTF-16
+surrogate, ``"\\ud83d"``, an emoji cut in half, which no tokenizer or UTF-8 file can hold),
+or a prompt the model refuses.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,9 @@ from paged_llm.structured_outputs import StructuredOutputsParams
 
 # At most this many bad lines are listed before the rest are only counted.
 _MAX_LISTED_ERRORS = 20
+# A row nested deeper is a bad line: deeper values would overflow the recursion of the code
+# that reads and writes them (json, repr, chat templates), which stays far below this depth.
+MAX_JSON_DEPTH = 256
 
 
 class JobError(Exception):
@@ -90,26 +95,47 @@ def decode_line(raw: bytes) -> str:
 
 
 def parse_json(text: str) -> object:
-    """A line's JSON value; ValueError naming the column where it is not JSON."""
+    """A line's JSON value; ValueError naming the column where it is not JSON, or saying that
+    it nests deeper than `MAX_JSON_DEPTH`."""
+    too_deep = (
+        f"JSON nested more than {MAX_JSON_DEPTH} levels deep (arrays and objects inside each "
+        "other); flatten that value"
+    )
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as error:
         raise ValueError(f"not valid JSON ({error.msg} at column {error.colno})") from None
+    except RecursionError:  # the parser gives up near Python's recursion limit
+        raise ValueError(too_deep) from None
+    if max(depth for depth, _ in _nested_values(value)) > MAX_JSON_DEPTH:
+        raise ValueError(too_deep)
+    return value
+
+
+def _nested_values(value: object) -> Iterator[tuple[int, object]]:
+    """Every value inside a JSON value (itself, dict keys and values, list items) with its
+    depth, containers counting from 1, in document order."""
+    # NOTE: a loop, not recursion: a value nested a thousand deep must not overflow the stack.
+    pending: list[tuple[int, object]] = [(0, value)]
+    while pending:
+        depth, item = pending.pop()
+        items: list[object] = []
+        if isinstance(item, dict):
+            items = [entry for pair in item.items() for entry in pair]
+        elif isinstance(item, list):
+            items = item
+        else:
+            yield depth, item
+            continue
+        yield depth + 1, item
+        pending.extend((depth + 1, inner) for inner in reversed(items))
 
 
 def _lone_surrogate(value: object) -> str | None:
     """The first lone UTF-16 surrogate in a JSON value's strings (keys included), or None."""
-    if isinstance(value, str):
-        match = re.search("[\ud800-\udfff]", value)
-        return None if match is None else f"\\u{ord(match.group()):04x}"
-    items: list[object] = []
-    if isinstance(value, dict):
-        items = [*value.keys(), *value.values()]
-    elif isinstance(value, list):
-        items = value
-    for item in items:
-        if (found := _lone_surrogate(item)) is not None:
-            return found
+    for _, item in _nested_values(value):
+        if isinstance(item, str) and (match := re.search("[\ud800-\udfff]", item)):
+            return f"\\u{ord(match.group()):04x}"
     return None
 
 

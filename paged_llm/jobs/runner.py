@@ -83,29 +83,36 @@ def run_batch_job(spec: JobSpec) -> int:
 def run_job(spec: JobSpec, keys: list[str | int], body: JobBody) -> int:
     """Run the input rows whose key is not yet in the output, under the output lock.
 
-    ``keys[i]`` is the ``id`` the output row of input row ``i`` is written under.
+    ``keys[i]`` is the ``id`` the output row of input row ``i`` is written under. An output
+    that is a symbolic link is followed to its file: the lock is taken beside that file, so
+    that a job on the link and one on the file exclude each other, and a rewrite on
+    ``--resume`` replaces the file and leaves the link.
     """
-    spec.output.parent.mkdir(parents=True, exist_ok=True)
-    with output_lock(spec.output):
+    output = spec.output.resolve() if spec.output.is_symlink() else spec.output
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with output_lock(output):
         # NOTE: checked under the lock, so that two jobs started together cannot both find
         # the output empty.
-        if not spec.resume and spec.output.exists() and spec.output.stat().st_size > 0:
+        if not spec.resume and output.exists() and output.stat().st_size > 0:
             raise JobError(
-                f"{spec.output} already exists and is not empty. Pass --resume to continue it "
+                f"{output} already exists and is not empty. Pass --resume to continue it "
                 "(rows already there are skipped), or choose another --output."
             )
-        done = recover_output(spec.output) if spec.resume else set()
+        done = recover_output(output) if spec.resume else set()
         pending = [index for index, key in enumerate(keys) if key not in done]
         stray = len(done - set(keys))
         if stray:
-            print(f"Note: {stray} id(s) in {spec.output} are not in the input.", file=sys.stderr)
+            print(f"Note: {stray} id(s) in {output} are not in the input.", file=sys.stderr)
         if not pending:
-            spec.output.touch()
-            print(f"Nothing to do: all {len(keys)} rows are already in {spec.output}.")
+            output.touch()
+            print(f"Nothing to do: all {len(keys)} rows are already in {output}.")
             return 0
-        started = time.perf_counter()
-        with LLM(spec.model, **spec.llm_kwargs()) as llm, open(spec.output, "ab") as sink:
+        loading = time.perf_counter()
+        with LLM(spec.model, **spec.llm_kwargs()) as llm, open(output, "ab") as sink:
+            print(f"Loaded {spec.model} in {time.perf_counter() - loading:.1f} s.", flush=True)
             writer = OutputWriter(sink)
+            # NOTE: the summary's tokens per second are generation's alone, loading excluded.
+            started = time.perf_counter()
             try:
                 body(llm, pending, writer)
             except KeyboardInterrupt:
@@ -115,8 +122,8 @@ def run_job(spec: JobSpec, keys: list[str | int], body: JobBody) -> int:
                     file=sys.stderr,
                 )
                 return 130
-    seconds = time.perf_counter() - started
-    print(writer.counts.summary(spec.output, len(keys) - len(pending), seconds))
+            seconds = time.perf_counter() - started
+    print(writer.counts.summary(output, len(keys) - len(pending), seconds))
     return 0
 
 

@@ -18,6 +18,7 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 import lm_eval
 import pytest
+from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
 
 import paged_llm
@@ -220,6 +221,30 @@ def test_lm_eval_model_arguments_reach_the_llm(tiny_model: str) -> None:
         integration.PagedLM(tiny_model, device="cuda:1")
     with pytest.raises(ValueError, match="max_length=64 and max_model_len=128 name one setting"):
         integration.PagedLM(tiny_model, max_length=64, max_model_len=128)
+
+
+def test_an_empty_continuation_scores_zero_and_greedy_as_lm_evals_vllm_model(
+    tiny_model: str,
+) -> None:
+    """lm-eval's vLLM model sums no logprob for it (0) and finds no token greedy decoding
+    would miss (True); the requests beside it score as they do alone."""
+    model = integration.PagedLM(tiny_model, dtype="float32", max_model_len=128)
+
+    def request(context: str, continuation: str) -> Instance:
+        return Instance("loglikelihood", {}, (context, continuation), idx=0)
+
+    with model.llm:
+        alone = model.loglikelihood([request("Question: 2 + 2?\nAnswer:", " 4")])
+        scores = model.loglikelihood(
+            [
+                request("Question: 2 + 2?\nAnswer:", ""),
+                request("Question: 2 + 2?\nAnswer:", " 4"),
+                request("Nothing follows", ""),
+            ]
+        )
+        assert model.loglikelihood([request("Only empty ones", "")]) == [(0.0, True)]
+    assert scores == [(0.0, True), alone[0], (0.0, True)]
+    assert alone[0][0] < 0
 
 
 def test_unknown_gen_kwargs_are_refused_naming_them() -> None:

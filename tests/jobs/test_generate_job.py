@@ -1,6 +1,6 @@
-"""``paged-llm generate`` jobs: output rows, input errors, the overwrite guard, rows that are
-not valid Unicode, constrained rows, and resuming after a SIGKILL to the same outputs as an
-uninterrupted run."""
+"""``paged-llm generate`` jobs: output rows, input errors (rows nested too deeply among them),
+the overwrite guard, rows that are not valid Unicode, constrained rows, and resuming after a
+SIGKILL to the same outputs as an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from paged_llm.cli import main
+from paged_llm.jobs.rows import MAX_JSON_DEPTH, parse_record
 from tests.jobs.files import (
     cli_env,
     engine_args,
@@ -59,6 +60,7 @@ def test_generate_writes_each_row_once_with_texts_counts_and_errors(
     summary = capsys.readouterr().out
     assert "5 rows written" in summary and "(2 errors)" in summary
     assert "30 completion tokens" in summary and "output tok/s" in summary
+    assert f"Loaded {model} in " in summary
 
 
 def test_bad_input_lines_are_all_reported_by_line_number(
@@ -216,6 +218,44 @@ def test_a_line_that_is_not_utf8_is_a_bad_line(
     assert main(["generate", "-i", str(source), "-o", str(output), "-m", "missing/model"]) == 2
     assert "in.jsonl:2: not valid UTF-8 (byte 0xed at column 22)" in capsys.readouterr().err
     assert not output.exists()
+
+
+def nested(depth: int, inner: object = 0) -> list[object]:
+    """``inner`` inside ``depth`` lists."""
+    value: list[object] = [inner]
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+def test_a_row_nested_too_deeply_is_a_bad_line_like_any_other(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # json.dumps would recurse as deep as the value: the deepest line is written by hand.
+    deepest = '{"id": 2, "prompt": "x", "extra": ' + "[" * 100_000 + "]" * 100_000 + "}\n"
+    lines = [
+        {"id": 1, "prompt": "fine"},
+        deepest,
+        {"id": 3, "prompt": "x", "extra": nested(MAX_JSON_DEPTH - 1)},  # the row is one more
+        {"id": 4, "prompt": "x", "extra": nested(MAX_JSON_DEPTH)},
+        {"prompt": "no id"},
+    ]
+    source = write_jsonl(tmp_path / "in.jsonl", lines)
+    output = tmp_path / "out.jsonl"
+    assert main(["generate", "-i", str(source), "-o", str(output), "-m", "missing/model"]) == 2
+    err = capsys.readouterr().err
+    assert "3 bad line(s) in the input; nothing was generated" in err
+    too_deep = f"JSON nested more than {MAX_JSON_DEPTH} levels deep"
+    for expected in (f"in.jsonl:2: {too_deep}", f"in.jsonl:4: {too_deep}", "in.jsonl:5: missing"):
+        assert expected in err
+    assert not output.exists()
+
+
+def test_a_lone_surrogate_is_found_however_deep_a_record_nests() -> None:
+    """Records that are not JSON lines (Parquet, through Ray) are not depth-checked."""
+    message = {"role": "user", "content": "x", "extra": nested(100_000, "\ud83d")}
+    row = parse_record(None, {"id": 1, "messages": [message]}, {})
+    assert row.error is not None and "lone surrogate \\ud83d" in row.error
 
 
 def test_rows_constrain_their_completions_with_structured_outputs_or_response_format(

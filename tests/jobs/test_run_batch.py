@@ -1,6 +1,6 @@
 """``paged-llm run-batch`` jobs: OpenAI batch output lines equal to the LLM's own results,
-bad lines answered with status 400 while the rest run, constrained replies, and resuming
-after a SIGKILL."""
+bad lines (one nested too deeply among them) answered with status 400 while the rest run,
+constrained replies, and resuming after a SIGKILL."""
 
 from __future__ import annotations
 
@@ -118,12 +118,13 @@ def test_run_batch_answers_bad_lines_with_400_and_runs_the_rest(
         ),
         batch_line("long", COMPLETIONS_URL, prompt="word " * 200),
         batch_line("last", COMPLETIONS_URL, prompt="fine", max_tokens=2),
+        '{"custom_id": "deep", "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n",
     ]
     source = write_jsonl(tmp_path / "requests.jsonl", lines)
     output = tmp_path / "results.jsonl"
     assert main(["run-batch", "-i", str(source), "-o", str(output), *engine_args(model)]) == 0
     summary = capsys.readouterr().out
-    assert "9 rows written" in summary and "(7 errors)" in summary
+    assert "10 rows written" in summary and "(8 errors)" in summary
     written = read_rows(output)
     for line in written:
         check_batch_line(line)
@@ -144,6 +145,7 @@ def test_run_batch_answers_bad_lines_with_400_and_runs_the_rest(
         "line 6:good": "duplicate custom_id 'good' (first seen on line 1)",
         "line 7:schema": "'response_format' must be",
         "line 8:long": "max_model_len=128",
+        "line 10:None": "JSON nested more than 256 levels deep",
     }
     assert sorted(errors) == sorted(expected)
     for key, fragment in expected.items():
