@@ -11,12 +11,22 @@ This is the bottom layer; it must never import ``paged_llm``.
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import logging
+import os
+import time
 import warnings
 from pathlib import Path
+from typing import IO
 
 import torch
 
+# NOTE: a child of the library's logger by name only (this layer never imports paged_llm),
+# so the library's logging settings apply.
+logger = logging.getLogger("paged_llm.csrc_cpu")
+
+_NAME = "paged_llm_cpu"
 _SOURCES = [
     Path(__file__).with_name(name) for name in ("paged_attention.cpp", "rms_norm.cpp", "rotary.cpp")
 ]
@@ -25,22 +35,25 @@ _SOURCES = [
 # -fno-trapping-math lets loops with comparisons (exp's clamp) vectorize; it changes no
 # result, only whether floating-point exceptions may be raised.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
+# The file in the build directory whose flock a process holds while it builds or loads the
+# kernels. The kernel releases an flock when its holder dies, however it dies.
+BUILD_LOCK_FILE = "paged_llm_build.lock"
+# How long `load` waits for another live process's build (one takes 20-40 s on 2 cores)
+# before running on torch operators instead.
+BUILD_WAIT_SECONDS = 300.0
+# torch's own lock file (``lock``, created just before it runs ninja in the directory) is
+# taken for a killed build's once it is this old and no process runs in the directory.
+_TORCH_LOCK_GRACE_SECONDS = 5.0
+_POLL_SECONDS = 0.2
 
 
 @functools.cache
 def load() -> bool:
     """Build and load the kernels on first call; False (with one warning that says why)
-    where they cannot be built, e.g. without a C++ compiler."""
+    where they cannot be built, e.g. without a C++ compiler, or while another process has
+    been building them for over `BUILD_WAIT_SECONDS`."""
     try:
-        from torch.utils import cpp_extension
-
-        cpp_extension.load(
-            name="paged_llm_cpu",
-            sources=[str(source) for source in _SOURCES],
-            extra_cflags=_FLAGS,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
+        return _build_and_load()
     except Exception as error:  # a build can fail in many ways: compiler, headers, ninja
         warnings.warn(
             f"paged_llm's C++ CPU kernels could not be built ({_reason(error)}); decode attention, "
@@ -50,7 +63,103 @@ def load() -> bool:
             stacklevel=2,
         )
         return False
+
+
+def _build_and_load() -> bool:
+    """`load`'s work, once no other build runs in the directory: False (with a warning) if
+    one still does after `BUILD_WAIT_SECONDS`."""
+    from torch.utils import cpp_extension
+
+    build_dir = Path(cpp_extension._get_build_directory(_NAME, verbose=False)).resolve()
+    with open(build_dir / BUILD_LOCK_FILE, "a") as lock:
+        if not _wait_for_other_builds(lock, build_dir):
+            warnings.warn(
+                f"paged_llm's C++ CPU kernels are still being built by another process after "
+                f"{BUILD_WAIT_SECONDS:.0f} s ({build_dir}); decode attention, RMSNorm and rotary "
+                "run on torch operators instead (slower). A later start uses the kernels once "
+                "that build has ended.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return False
+        # Said because the first start on a machine is otherwise silent for half a minute;
+        # whether anything compiles is ninja's decision, this only foresees it.
+        library = build_dir / f"{_NAME}.so"
+        newest_source = max(
+            path.stat().st_mtime
+            for path in Path(__file__).parent.iterdir()
+            if path.suffix in (".cpp", ".h")
+        )
+        compiles = not library.exists() or library.stat().st_mtime < newest_source
+        if compiles:
+            logger.info(
+                "building paged_llm's CPU kernels (once per machine, ~30 s) into %s", build_dir
+            )
+        start = time.monotonic()
+        cpp_extension.load(
+            name=_NAME,
+            sources=[str(source) for source in _SOURCES],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+        if compiles:
+            logger.info("built paged_llm's CPU kernels in %.0f s", time.monotonic() - start)
     return True
+
+
+def _wait_for_other_builds(lock: IO[str], build_dir: Path) -> bool:
+    """Take the build's flock on ``lock`` and see torch's lock file gone, waiting up to
+    `BUILD_WAIT_SECONDS` for a live build (and saying so); False if one still runs then."""
+    deadline = time.monotonic() + BUILD_WAIT_SECONDS
+    waiting = False
+    while not (_try_flock(lock) and _torch_lock_released(build_dir)):
+        if time.monotonic() >= deadline:
+            return False
+        if not waiting:
+            logger.warning("waiting for another process building the CPU kernels: %s", build_dir)
+            waiting = True
+        time.sleep(_POLL_SECONDS)
+    return True
+
+
+def _try_flock(lock: IO[str]) -> bool:
+    """Take (or keep) an exclusive flock on ``lock`` if no other open file holds one."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _torch_lock_released(build_dir: Path) -> bool:
+    """Whether torch's lock file in ``build_dir`` is gone, or was left by a build that was
+    killed (and is removed): torch would wait for it forever.
+
+    Called under the flock, so no build of ours runs; one that does not take it (an older
+    paged_llm, a killed build's compilers, which outlive it) runs ninja in the directory.
+    """
+    torch_lock = build_dir / "lock"
+    try:
+        age = time.time() - torch_lock.stat().st_mtime
+    except FileNotFoundError:
+        return True
+    if age < _TORCH_LOCK_GRACE_SECONDS or _process_runs_in(build_dir):
+        return False
+    torch_lock.unlink(missing_ok=True)
+    return True
+
+
+def _process_runs_in(directory: Path) -> bool:
+    """Whether a process we may look at has ``directory`` as its working directory
+    (Linux's /proc; False where there is none)."""
+    for process in Path("/proc").glob("[0-9]*"):
+        try:
+            if os.readlink(process / "cwd") == str(directory):
+                return True
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return False
 
 
 def decode_attention(

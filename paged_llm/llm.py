@@ -177,7 +177,10 @@ class LLM:
                 "skip": a bad request gets a RequestOutput whose ``error`` says why, and
                 the others run. With data parallelism, requests that no live replica is
                 left to run raise a RuntimeError naming the replicas lost and why, or
-                under "skip" come back with ``error`` set.
+                under "skip" come back with ``error`` set. A request that fails while
+                running (its constraints leave no token) raises its `RequestError` at
+                once under "raise", cancelling the rest; under "skip" it gets an output
+                with ``error`` and ``error_parameter`` set and the others run.
             lora_request: vLLM's LoRA adapter; only None (no LoRA here).
             priority: vLLM's per-request priorities; requests run first come, first
                 served here, so every priority must be 0.

@@ -116,7 +116,9 @@ class RequestOutput:
     """The result of one prompt: its completions and how they were produced.
 
     ``num_cached_tokens`` counts prompt tokens served from the prefix cache. ``error`` is
-    set (and ``outputs`` empty) only for a request rejected under ``on_error="skip"``.
+    set (and ``outputs`` empty) only for a request that failed under ``on_error="skip"``:
+    refused at submission, or stopped by the engine (its constraints left no token to
+    generate); ``error_parameter`` then names the parameter at fault, where one is.
     """
 
     request_id: str
@@ -128,6 +130,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     prompt_logprobs: PromptLogprobs | None = None
     error: str | None = None
+    error_parameter: str | None = None
 
     # vLLM's fields for features paged_llm does not have, so that scripts reading them run.
     @property

@@ -65,6 +65,8 @@ class Platform:
     distributed_backend: ClassVar[str] = "gloo"
     # The setting to name when the KV cache is too small.
     kv_budget_setting: ClassVar[str] = "kv_cache_memory_bytes"
+    # What `available_kv_cache_bytes` counts, for messages.
+    available_memory_name: ClassVar[str]
     # dtype="auto": the checkpoint's dtype, or float32 (a CPU's fast path).
     auto_dtype_from_checkpoint: ClassVar[bool] = False
     # Linear layers run from oneDNN-packed weights (float32 and bfloat16).
@@ -95,6 +97,11 @@ class Platform:
         given, else what the platform can spare, of which at most ``most_useful_bytes``
         (max_num_seqs full-length sequences) could ever be used; ``profile_step`` runs the
         largest step once."""
+        raise NotImplementedError
+
+    def available_kv_cache_bytes(self, tp_size: int) -> int:
+        """The most one of ``tp_size`` ranks' KV caches can take now, after the weights: a
+        bound on kv_cache_memory_bytes and on any budget, known before profiling."""
         raise NotImplementedError
 
     def check_kv_cache_dtype(self, kv_cache_dtype: torch.dtype, attention_backend: str) -> None:
@@ -141,6 +148,7 @@ class CpuPlatform(Platform):
     """The host's own processor: oneDNN and the cpu attention backend."""
 
     name = "cpu"
+    available_memory_name = "RAM available (MemAvailable)"
     default_attention_backend = "cpu"
     elementwise_kernels = ElementwiseKernels.CPU
     prepacks_linear_weights = True
@@ -150,6 +158,10 @@ class CpuPlatform(Platform):
         # collective wait for a rank the OS has parked.
         if tp_size > 1:
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // tp_size))
+
+    def available_kv_cache_bytes(self, tp_size: int) -> int:
+        # NOTE: the ranks of one engine share the host's RAM.
+        return available_ram_bytes() // tp_size
 
     def kv_cache_budget_bytes(
         self,
@@ -175,6 +187,7 @@ class CudaPlatform(Platform):
     default_attention_backend = "triton"
     distributed_backend = "nccl"
     kv_budget_setting = "gpu_memory_utilization (or kv_cache_memory_bytes)"
+    available_memory_name = "free device memory"
     auto_dtype_from_checkpoint = True
 
     def device_count(self) -> int | None:
@@ -204,6 +217,12 @@ class CudaPlatform(Platform):
                 f"for the Triton attention backend; {torch.cuda.get_device_name(self.device)} "
                 "has less. Use kv_cache_dtype='fp8_e5m2' or 'auto'."
             )
+
+    def available_kv_cache_bytes(self, tp_size: int) -> int:
+        # NOTE: what this process's allocator caches unused is handed back first, so it
+        # counts as free.
+        self.empty_cache()
+        return self.memory_snapshot().free
 
     def kv_cache_budget_bytes(
         self,
@@ -255,6 +274,9 @@ class CudaPlatform(Platform):
         return type(self)(torch.device("cuda", index + rank))
 
     def enter_rank_process(self, tp_size: int) -> None:
+        # NOTE: the ranks are processes of one machine: NCCL's bootstrap sockets need no
+        # other interface than loopback (a user's own setting is kept).
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         torch.cuda.set_device(self.device)
 
     def replica_devices(self) -> list[str] | None:

@@ -12,7 +12,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from paged_llm import LLM, RequestOutput, SamplingParams, StructuredOutputsParams
+from paged_llm import LLM, BeamSearchParams, RequestOutput, SamplingParams, StructuredOutputsParams
+from paged_llm.exceptions import RequestError
 
 MAX_MODEL_LEN = 256
 PROMPTS = ["Describe a person as JSON:", "The answer is", "Rain fell all night over the"]
@@ -391,3 +392,98 @@ def test_a_whitespace_pattern_bounds_the_whitespace_of_json(llm: LLM) -> None:
     # The schema has no free strings: every blank is whitespace between JSON tokens.
     for completion in output.outputs:
         assert "\n" not in completion.text and "  " not in completion.text
+
+
+# A character class nothing matches: "a" may start, then nothing can follow.
+DEAD_END_REGEX = StructuredOutputsParams(regex=r"a[^\s\S]")
+DEAD_END_SCHEMA = StructuredOutputsParams(
+    json={
+        "type": "object",
+        "properties": {"a": {"type": "string", "pattern": r"^a[^\s\S]$"}},
+        "required": ["a"],
+    },
+    disable_any_whitespace=True,
+)
+
+
+def _unsatisfiable(llm: LLM, kind: str) -> SamplingParams:
+    if kind == "choice-with-allowed-token-ids":
+        # Tokens of " Hello world": none starts "cat" or "dog".
+        allowed = llm.get_tokenizer().encode(" Hello world", add_special_tokens=False)
+        return SamplingParams(
+            temperature=0,
+            max_tokens=20,
+            allowed_token_ids=allowed,
+            structured_outputs=StructuredOutputsParams(choice=["cat", "dog"]),
+        )
+    constraint = DEAD_END_REGEX if kind == "regex" else DEAD_END_SCHEMA
+    return SamplingParams(temperature=0, max_tokens=40, structured_outputs=constraint)
+
+
+def _assert_engine_idle(llm: LLM) -> None:
+    """No request left behind, every block back in the pool."""
+    engine = llm.engine
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize(
+    ("kind", "parameter"),
+    [
+        ("regex", "structured_outputs"),
+        ("json-pattern", "structured_outputs"),
+        ("choice-with-allowed-token-ids", "allowed_token_ids"),
+    ],
+)
+def test_an_unsatisfiable_constraint_fails_its_request_alone(
+    llm: LLM, kind: str, parameter: str
+) -> None:
+    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    sampled = SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=8, ignore_eos=True)
+    choice = SamplingParams(
+        temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=CHOICES[0])
+    )
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[1]]
+    params = [free, _unsatisfiable(llm, kind), sampled, choice]
+    outputs = llm.generate(prompts, params, use_tqdm=False, on_error="skip")
+
+    failed = outputs[1]
+    assert failed.outputs == [] and failed.finished
+    assert failed.error is not None
+    assert failed.error.startswith("Request 1: no token satisfies the constraint")
+    assert failed.error_parameter == parameter and parameter in failed.error
+    assert [len(c.token_ids) for c in outputs[0].outputs] == [8]
+    assert [len(c.token_ids) for c in outputs[2].outputs] == [8, 8]
+    assert outputs[3].outputs[0].text in CHOICES[0]
+    assert all(o.error is None for o in (outputs[0], outputs[2], outputs[3]))
+    _assert_engine_idle(llm)
+
+
+def test_under_on_error_raise_the_failure_raises_naming_the_request(llm: LLM) -> None:
+    params = [SamplingParams(max_tokens=8), _unsatisfiable(llm, "regex")]
+    with pytest.raises(RequestError, match="no token satisfies the constraint") as caught:
+        llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert (caught.value.index, caught.value.parameter) == (1, "structured_outputs")
+    _assert_engine_idle(llm)
+    assert llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs
+
+
+def test_an_unsatisfiable_constraint_fails_all_n_sequences_of_its_request(llm: LLM) -> None:
+    params = SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=20)
+    failing = SamplingParams(
+        n=3, temperature=1.0, seed=9, max_tokens=20, structured_outputs=DEAD_END_REGEX
+    )
+    ok, failed = llm.generate(PROMPTS[:2], [params, failing], use_tqdm=False, on_error="skip")
+    assert len(ok.outputs) == 3 and ok.error is None
+    assert failed.outputs == [] and failed.error_parameter == "structured_outputs"
+    _assert_engine_idle(llm)
+
+
+def test_a_beam_search_whose_constraint_leaves_nothing_raises_naming_the_request(
+    llm: LLM,
+) -> None:
+    params = BeamSearchParams(beam_width=2, max_tokens=8, structured_outputs=DEAD_END_REGEX)
+    with pytest.raises(RequestError, match="no token satisfies the constraint") as caught:
+        llm.beam_search(PROMPTS[:2], params)
+    assert caught.value.index in (0, 1) and caught.value.parameter == "structured_outputs"
+    _assert_engine_idle(llm)

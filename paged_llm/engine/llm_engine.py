@@ -12,10 +12,10 @@ from paged_llm.config import EngineConfig
 from paged_llm.engine.beam_search import BeamSearcher
 from paged_llm.engine.block_manager import BlockManager
 from paged_llm.engine.executor import create_executor
-from paged_llm.engine.model_runner import ModelRunner
+from paged_llm.engine.model_runner import ModelRunner, StepOutput
 from paged_llm.engine.output_processor import OutputProcessor
 from paged_llm.engine.request import EngineRequest
-from paged_llm.engine.scheduler import Scheduler
+from paged_llm.engine.scheduler import ScheduledBatch, Scheduler
 from paged_llm.engine.sequence import FinishReason, Request, Sequence
 from paged_llm.outputs import RequestOutput
 from paged_llm.sampling_params import BeamSearchParams
@@ -149,6 +149,7 @@ class LLMEngine:
         self._num_steps += 1
         for seq in batch.seqs:
             seq.request.prompt_logprobs.extend(output.prompt_logprobs.get(seq.seq_id, ()))
+        failed = self._fail_requests_without_token(batch, output) if output.no_token_rows else []
         sampling_seqs = batch.sampling_seqs
         finished = self.scheduler.update(batch, output.sampled_token_ids)
         self._num_generated_tokens += len(sampling_seqs)
@@ -168,14 +169,42 @@ class LLMEngine:
             else:
                 self.scheduler.stop_at_string(seq, stop_str)
                 finished.append(seq)
-        return [
-            self.output_processor.make_output(request)
-            for request in _unique_requests(finished)
-            if request.is_finished
-        ] + [
-            self.output_processor.make_beam_search_output(request, beams)
-            for request, beams in searched
-        ]
+        return (
+            [
+                self.output_processor.make_output(request)
+                for request in _unique_requests(finished)
+                if request.is_finished
+            ]
+            + [
+                self.output_processor.make_beam_search_output(request, beams)
+                for request, beams in searched
+            ]
+            + failed
+        )
+
+    def _fail_requests_without_token(
+        self, batch: ScheduledBatch, output: StepOutput
+    ) -> list[RequestOutput]:
+        """End the requests of the rows whose masks left no token, as failed: their
+        sequences leave the step and free their blocks, and each gets an output whose
+        ``error`` says why. The rest of the step goes on without them."""
+        vocab_size = self.config.hf_config.vocab_size
+        # One sequence explains its request's failure: sibling rows fail alike.
+        seqs: dict[str, Sequence] = {}
+        for row in output.no_token_rows:
+            seqs.setdefault(batch.sampling_seqs[row].request_id, batch.sampling_seqs[row])
+        kept_rows = batch.drop_requests(set(seqs))
+        output.sampled_token_ids = [output.sampled_token_ids[row] for row in kept_rows]
+        if output.logprobs is not None:
+            output.logprobs = [output.logprobs[row] for row in kept_rows]
+        failed = []
+        for seq in seqs.values():
+            reason, parameter = _no_token_reason(seq, vocab_size)
+            self.scheduler.abort_request(seq.request)
+            # NOTE: a beam search's state goes with its sequences.
+            self.beam_searcher.searches.pop(seq.request_id, None)
+            failed.append(self.output_processor.make_error_output(seq.request, reason, parameter))
+        return failed
 
     def abort_all(self) -> None:
         """Drop every unfinished request and release its blocks."""
@@ -204,3 +233,35 @@ class LLMEngine:
 
 def _unique_requests(seqs: list[Sequence]) -> list[Request]:
     return list({id(seq.request): seq.request for seq in seqs}.values())
+
+
+def _no_token_reason(seq: Sequence, vocab_size: int) -> tuple[str, str]:
+    """Why no token satisfies ``seq``'s constraints at its next position, and the
+    parameter to change."""
+    params = seq.sampling_params
+    position = seq.num_output_tokens
+    so_far = f"after {position} generated token{'' if position == 1 else 's'}"
+    if seq.grammar is not None and seq.grammar.allows_no_token(vocab_size):
+        return (
+            f"no token satisfies the constraint: {so_far}, structured_outputs allows no "
+            "next token and cannot end there either, so no text it accepts continues the "
+            "output; check that the constraint can be met (a regex, pattern or grammar "
+            "that some string matches all the way).",
+            "structured_outputs",
+        )
+    in_play = [
+        name
+        for name, applies in (
+            ("allowed_token_ids", params.allowed_token_ids is not None),
+            ("structured_outputs", seq.grammar is not None),
+            ("bad_words", bool(seq.request.bad_words_token_ids)),
+            ("min_tokens", position < params.min_tokens),
+        )
+        if applies
+    ]
+    return (
+        f"no token satisfies the constraint: {so_far}, {' and '.join(in_play)} together "
+        "leave no token allowed; allow at least one token they all accept "
+        "(allowed_token_ids must hold the tokens the constraint needs).",
+        in_play[0],
+    )

@@ -141,6 +141,8 @@ class StepOutput:
     logprobs: list[RawLogprobs | None] | None
     # seq_id -> logprobs of the prompt positions scored this step, in order.
     prompt_logprobs: dict[int, list[RawLogprobs]]
+    # Sampling rows whose masks left no token: their tokens and logprobs mean nothing.
+    no_token_rows: list[int] = field(default_factory=list)
 
 
 def _logprob_rows(tensors: LogprobsTensors, seqs: list[Sequence], field: str) -> list[RawLogprobs]:
@@ -183,10 +185,13 @@ class ModelRunner:
         self._start_up()
 
     def _start_up(self) -> None:
-        """The one start-up order, on every platform and rank: load the weights, profile one
-        full step, size and allocate the KV cache from what is left, then capture graphs.
+        """The one start-up order, on every platform and rank: load the weights, check the
+        memory there is for the KV cache, profile one full step, size and allocate the KV
+        cache from what is left, then capture graphs.
 
-        Steps before the last run eagerly: graphs need the cache they read from.
+        Steps before the last run eagerly: graphs need the cache they read from. Nothing
+        sized by max_model_len exists before the check: the model's rotary table is
+        computed by its first forward (the profile step on GPU).
         """
         self.model = load_model(self.config, self.tp)
         self.attention_backend = get_attention_backend(self.config.attention_backend)
@@ -204,6 +209,7 @@ class ModelRunner:
             ),
         )
         self.attention_backend.setup(self.kv_cache_layout, self.config.batch_invariant)
+        self._check_kv_cache_memory()
         config = self.config
         budget = self.platform.kv_cache_budget_bytes(
             config.kv_cache_memory_bytes,
@@ -244,12 +250,36 @@ class ModelRunner:
         """Cache bytes of one token over every layer of this rank."""
         return len(self.attention_layers) * self.kv_cache_layout.stored_bytes_per_token
 
-    def _allocate_kv_cache(self, budget: int) -> int:
+    @property
+    def _blocks_per_seq(self) -> int:
+        """Cache blocks of one sequence of max_model_len tokens."""
+        return -(-self.config.max_model_len // self.block_size)
+
+    def _check_kv_cache_memory(self) -> None:
+        """Refuse a kv_cache_memory_bytes over the memory there is, and a max_model_len
+        whose sequence even all of it could not hold, before anything sized by them exists
+        (an allocator's error or the OOM killer would say neither)."""
+        # Every rank must decide alike, so the smallest figure decides.
+        available = self.tp.min_over_ranks(self.platform.available_kv_cache_bytes(self.tp.size))
+        requested = self.config.kv_cache_memory_bytes
+        if requested is not None and requested > available:
+            per_rank = " per rank" if self.tp.size > 1 else ""
+            raise ValueError(
+                f"kv_cache_memory_bytes={requested} ({requested / 2**30:.3f} GiB{per_rank}) is "
+                f"more than the {available / 2**30:.3f} GiB of "
+                f"{self.platform.available_memory_name}{per_rank} after loading the weights. "
+                f"Lower kv_cache_memory_bytes to at most {available}, or leave it unset to let "
+                f"the {self.platform.name} platform size the cache."
+            )
+        self._cache_blocks(available if requested is None else requested)
+
+    def _cache_blocks(self, budget: int) -> int:
+        """The cache blocks ``budget`` bytes make; a ValueError if they cannot hold one
+        sequence of max_model_len tokens."""
         config = self.config
         bytes_per_block = self.kv_bytes_per_token * self.block_size
         num_blocks = max(budget // bytes_per_block, 0)
-        blocks_per_seq = -(-config.max_model_len // self.block_size)
-        if num_blocks < blocks_per_seq:
+        if num_blocks < self._blocks_per_seq:
             fits = num_blocks * self.block_size
             knob = (
                 "kv_cache_memory_bytes"
@@ -258,10 +288,15 @@ class ModelRunner:
             )
             raise ValueError(
                 f"The KV cache cannot hold one sequence of max_model_len={config.max_model_len} "
-                f"tokens: that needs {blocks_per_seq * bytes_per_block / 2**30:.3f} GiB, and "
-                f"{max(budget, 0) / 2**30:.3f} GiB are available for the cache "
+                f"tokens: that needs {self._blocks_per_seq * bytes_per_block / 2**30:.3f} GiB, "
+                f"and {max(budget, 0) / 2**30:.3f} GiB are available for the cache "
                 f"({fits} tokens). Raise {knob}, or lower max_model_len to at most {fits}."
             )
+        return num_blocks
+
+    def _allocate_kv_cache(self, budget: int) -> int:
+        config = self.config
+        num_blocks = self._cache_blocks(budget)
         shape = self._kv_cache_shape(num_blocks)
         # NOTE: zero-filled, not empty: attention reads whole blocks and masks the unused
         # tail, and a NaN bit pattern there would survive a zero weight.
@@ -280,7 +315,7 @@ class ModelRunner:
                 self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
                 str(config.kv_cache_dtype).removeprefix("torch."),
                 config.max_model_len,
-                num_blocks / blocks_per_seq,
+                num_blocks / self._blocks_per_seq,
             )
         return num_blocks
 
@@ -424,6 +459,8 @@ class ModelRunner:
         )
         sampled = self.sampler(logits, metadata)
         output.sampled_token_ids = sampled.token_ids.tolist()
+        if sampled.no_token is not None:
+            output.no_token_rows = sampled.no_token.nonzero().flatten().tolist()
         if sampled.logprobs is not None:
             output.logprobs = [
                 None if seq.sampling_params.logprobs is None else row

@@ -143,6 +143,17 @@ class OutputProcessor:
             ]
         return _finished_output(request, completions, prompt_logprobs)
 
+    def make_error_output(self, request: Request, reason: str, parameter: str) -> RequestOutput:
+        """The output of a request the engine stopped: no completions, ``error`` the
+        reason (without the request's index, which only the front end knows) and
+        ``error_parameter`` the parameter at fault."""
+        for seq in request.seqs:
+            self._detokenizers.pop(seq.seq_id, None)
+            self._stopped_texts.pop(seq.seq_id, None)
+        output = _finished_output(request, [])
+        output.error, output.error_parameter = reason, parameter
+        return output
+
 
 def _finished_output(
     request: Request,

@@ -42,8 +42,8 @@ def build_sampling_metadata(
     grammar_bitmask: torch.Tensor | None = None,
 ) -> SamplingMetadata:
     """``grammar_bitmask``: the step's structured-output bitmask (`grammar_bitmask`), which
-    the runner applies to the logits; here it only decides whether min_tokens may still
-    hold EOS back."""
+    the runner applies to the logits; here it decides whether min_tokens may still hold
+    EOS back, and tells the sampler to look for rows it leaves without a token."""
     params = [seq.sampling_params for seq in seqs]
     num_rows = len(seqs)
 
@@ -57,6 +57,7 @@ def build_sampling_metadata(
         seeds=row_tensor([seq.seed for seq in seqs], torch.int64),
         counters=row_tensor([seq.num_output_tokens for seq in seqs], torch.int64),
         all_greedy=all(p.is_greedy for p in params),
+        grammar_masked=grammar_bitmask is not None,
     )
     if any(p.top_k > 0 for p in params):
         metadata.top_k = row_tensor([p.top_k for p in params], torch.int64)

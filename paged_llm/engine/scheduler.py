@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from paged_llm.config import SchedulerConfig
 from paged_llm.engine.block_manager import BlockHash, BlockManager
-from paged_llm.engine.sequence import FinishReason, Sequence, SequenceStatus
+from paged_llm.engine.sequence import FinishReason, Request, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,19 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(self.num_scheduled_tokens)
+
+    def drop_requests(self, request_ids: set[str]) -> list[int]:
+        """Take the sequences of these requests out of the step (their requests failed);
+        return the rows of ``sampling_seqs`` that stay, in order."""
+        kept = [i for i, seq in enumerate(self.seqs) if seq.request_id not in request_ids]
+        kept_rows = [
+            row for row, seq in enumerate(self.sampling_seqs) if seq.request_id not in request_ids
+        ]
+        self.seqs = [self.seqs[i] for i in kept]
+        self.num_scheduled_tokens = [self.num_scheduled_tokens[i] for i in kept]
+        self.samples = [self.samples[i] for i in kept]
+        self.sampling_seqs = [self.sampling_seqs[row] for row in kept_rows]
+        return kept_rows
 
 
 class Scheduler:
@@ -299,6 +312,18 @@ class Scheduler:
         self.waiting.clear()
         self.paused.clear()
         self.block_manager.reset()
+
+    def abort_request(self, request: Request) -> None:
+        """Retire every sequence of ``request`` wherever it is: running, paused, queued, or
+        a sibling not forked yet; their blocks return to the pool."""
+        for seq in request.seqs:
+            if seq.is_finished:
+                continue
+            # NOTE: a sibling not forked yet waits in its parent's pending_forks, not here.
+            if seq.status is SequenceStatus.WAITING and seq in self.waiting:
+                self.waiting.remove(seq)
+            seq.pending_forks = []
+            self.release(seq)
 
     def stop_at_string(self, seq: Sequence, stop_str: str) -> None:
         """End a running sequence whose text reached one of its stop strings."""

@@ -101,6 +101,7 @@ class InputProcessor:
     def __init__(self, model: ModelInfo, config: EngineConfig) -> None:
         self.tokenizer: PreTrainedTokenizerBase | None = model.tokenizer
         self.vocab_size = model.vocab_size
+        self.eos_token_ids = model.eos_token_ids
         self.config = config
         self._request_ids = itertools.count()
 
@@ -207,12 +208,10 @@ class InputProcessor:
             )
         self._check_prompt(prompt.token_ids)
         self._check_sampling_params(params, len(prompt.token_ids))
+        bad_words_token_ids = self._bad_words_token_ids(params)
+        self._check_allowed_token_ids(params, bad_words_token_ids)
         return EngineRequest(
-            prompt.request_id,
-            prompt.text,
-            prompt.token_ids,
-            params,
-            self._bad_words_token_ids(params),
+            prompt.request_id, prompt.text, prompt.token_ids, params, bad_words_token_ids
         )
 
     def _beam_search_request(self, prompt: _Prompt, params: BeamSearchParams) -> EngineRequest:
@@ -286,6 +285,38 @@ class InputProcessor:
             )
         self._check_logprobs(params)
 
+    def _check_allowed_token_ids(
+        self, params: SamplingParams, bad_words_token_ids: list[list[int]]
+    ) -> None:
+        """Refuse allowed_token_ids that the bans leave empty: every allowed id a one-token
+        bad word, or, before min_tokens, every allowed id also an EOS (unless ignore_eos)
+        or stop token id, which min_tokens holds back. Such a request could generate no
+        token at all."""
+        if params.allowed_token_ids is None:
+            return
+        allowed = set(params.allowed_token_ids)
+        never = {ids[0] for ids in bad_words_token_ids if len(ids) == 1}
+        if allowed <= never:
+            raise RequestError(
+                f"allowed_token_ids={params.allowed_token_ids} are all bad_words, so no token "
+                "can be generated; allow a token that is no bad word, or drop those bad words.",
+                parameter="allowed_token_ids",
+                value=params.allowed_token_ids,
+            )
+        held_back = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            held_back |= self.eos_token_ids
+        if params.min_tokens > 0 and allowed <= never | held_back:
+            raise RequestError(
+                f"allowed_token_ids={params.allowed_token_ids} holds only EOS and stop token "
+                f"ids{' and bad words' if allowed & never else ''}, and min_tokens="
+                f"{params.min_tokens} holds EOS and stop tokens back until {params.min_tokens} "
+                "tokens exist, so no first token is allowed; allow another token, or set "
+                "min_tokens=0 (or ignore_eos=True where the ids are EOS).",
+                parameter="allowed_token_ids",
+                value=params.allowed_token_ids,
+            )
+
     def _check_logprobs(self, params: SamplingParams) -> None:
         """vLLM's cap: -1 asks for the whole vocabulary, allowed only with max_logprobs=-1;
         never more than the vocabulary."""
@@ -357,7 +388,8 @@ class InputProcessor:
         return params
 
     def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
-        """Token sequences of each bad word, at the start of a text and after a space."""
+        """Token sequences of each bad word, at the start of a text and after a space, all
+        within the model's vocabulary (a tokenizer may have added tokens past it)."""
         sequences: list[list[int]] = []
         if not params.bad_words:
             return sequences
@@ -375,11 +407,21 @@ class InputProcessor:
                     value=word,
                 )
             spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            sequences.append(bare)
+            forms = [bare]
             # The spaced form counts only when it is another word of the same length, as
             # vLLM decides.
             if spaced[0] != bare[0] and len(spaced) == len(bare):
-                sequences.append(spaced)
+                forms.append(spaced)
+            outside = next((t for ids in forms for t in ids if t >= self.vocab_size), None)
+            if outside is not None:
+                raise RequestError(
+                    f"bad word {word!r} has token id {outside}, outside the model's vocabulary "
+                    f"[0, {self.vocab_size}): the tokenizer ({len(self.tokenizer)} tokens) has "
+                    "tokens the model cannot produce; remove the word from bad_words.",
+                    parameter="bad_words",
+                    value=word,
+                )
+            sequences.extend(forms)
         return sequences
 
 

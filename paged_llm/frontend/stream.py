@@ -60,7 +60,12 @@ class GenerationStream:
     """Iterates ``(input_index, RequestOutput)`` in completion order while the engine
     runs; see `LLM.generate_stream`. A request refused under ``on_error="skip"`` comes as
     an output whose ``error`` is its `RequestError`'s text; `results` gives the error
-    itself instead."""
+    itself instead.
+
+    A request that fails in the engine (its constraints leave no token to generate) is
+    reported as if it had been refused: under ``skip_errors`` as its `RequestError` (with
+    its index) while the others run on; otherwise its `RequestError` is raised as soon as
+    it fails, and the requests still running are cancelled."""
 
     def __init__(
         self,
@@ -139,6 +144,7 @@ def error_output(rejected: RejectedRequest) -> RequestOutput:
         outputs=[],
         finished=True,
         error=str(rejected.error),
+        error_parameter=rejected.error.parameter,
     )
 
 
@@ -156,10 +162,7 @@ def _run(
     try:
         progress = _progress_bar(
             use_tqdm,
-            total=sum(
-                1 if isinstance(request, RejectedRequest) else request.params.n
-                for request in requests
-            ),
+            total=sum(_num_sequences(request) for request in requests),
         )
         metrics_before = engine.get_metrics()
         started = time.perf_counter()
@@ -183,7 +186,7 @@ def _run(
                         index = order[request_id]
                         lost = requests[index]
                         assert isinstance(lost, EngineRequest)
-                        progress.update(lost.params.n)
+                        progress.update(_num_sequences(lost))
                         yield index, _lost(lost, index, error)
                     continue
                 for output in outputs:
@@ -195,8 +198,16 @@ def _run(
                         f"output: {num_output_tokens / elapsed:.2f} toks/s",
                         refresh=False,
                     )
+                    index = order[output.request_id]
+                    if output.error is not None:
+                        failed = _failed(output, index)
+                        if not skip_errors:
+                            raise failed.error
+                        progress.update(_num_sequences(requests[index]))
+                        yield index, failed
+                        continue
                     progress.update(len(output.outputs))
-                    yield order[output.request_id], output
+                    yield index, output
         finally:
             if engine.has_unfinished():
                 engine.abort_all()
@@ -205,6 +216,22 @@ def _run(
                 _log_summary(metrics_before, engine.get_metrics(), time.perf_counter() - started)
     finally:
         lock.release()
+
+
+def _num_sequences(request: ProcessedRequest) -> int:
+    """What a request counts for in the progress bar: its completions, or 1 if refused."""
+    return 1 if isinstance(request, RejectedRequest) else request.params.n
+
+
+def _failed(output: RequestOutput, index: int) -> RejectedRequest:
+    """An output the engine ended with an error, as a refused request with its index."""
+    assert output.error is not None
+    return RejectedRequest(
+        output.request_id,
+        output.prompt,
+        output.prompt_token_ids,
+        RequestError(output.error, parameter=output.error_parameter, index=index),
+    )
 
 
 def _lost(request: EngineRequest, index: int, error: RequestsLostError) -> RejectedRequest:

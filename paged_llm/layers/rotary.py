@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -65,7 +66,12 @@ def compute_cos_sin_cache(
     inv_freq = _inverse_frequencies(head_dim, params)
     positions = torch.arange(max_position, dtype=torch.float, device="cpu")
     freqs = positions[:, None] * inv_freq[None, :]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+    # NOTE: cos and sin written into the table's halves, not concatenated: the peak is then
+    # 1.5 tables, not 2.5 (it is max_position rows: 512 MiB at a million positions of 128).
+    table = torch.empty(max_position, head_dim, dtype=torch.float, device="cpu")
+    torch.cos(freqs, out=table[:, : head_dim // 2])
+    torch.sin(freqs, out=table[:, head_dim // 2 :])
+    return table.to(device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +92,9 @@ class RotaryEmbedding(nn.Module):
     """Rotates query and key heads by their token's position.
 
     The cos/sin table is a plain attribute rather than a buffer: models are built on the
-    meta device and materialized empty, and a buffer would lose its values there.
+    meta device and materialized empty, and a buffer would lose its values there. It is
+    computed on first use, not when the model is built: its ``max_position`` rows are only
+    known to fit once the engine has checked that its KV cache can hold that many tokens.
     """
 
     def __init__(
@@ -99,8 +107,15 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.cos_sin_cache = compute_cos_sin_cache(head_dim, max_position, params, device)
+        self.max_position = max_position
+        self.params = params
+        self.device = device
         self.kernels = kernels
+
+    @functools.cached_property
+    def cos_sin_cache(self) -> torch.Tensor:
+        """``[max_position, head_dim]`` float32 on the model's device (`compute_cos_sin_cache`)."""
+        return compute_cos_sin_cache(self.head_dim, self.max_position, self.params, self.device)
 
     def step_rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRotation:
         """The rotation of a forward pass over tokens at ``positions``, activations in ``dtype``."""

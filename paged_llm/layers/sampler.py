@@ -5,6 +5,11 @@ logits the runner has already masked with the grammar's bitmask); then allowed /
 logit bias; then repetition, frequency and presence penalties; then either argmax
 (greedy rows) or temperature, min-p, top-k and top-p, and a draw.
 
+A row whose masks (the grammar's, allowed and banned tokens) leave no token at all would
+draw from NaN: the sampler finds such rows in one check after the masks, gives them a
+harmless uniform row to draw from, and reports them (`SamplerOutput.no_token`) so that the
+engine fails their requests instead of using the token.
+
 Random draws come from a counter-based generator: the uniform number behind a row's k-th
 token is a hash of (seed, k). It does not depend on which other requests share the batch,
 where the request sits in it, or whether it was preempted and recomputed, so seeded
@@ -66,6 +71,8 @@ class SamplingMetadata:
     # EOS and stop tokens before min_tokens).
     banned_tokens: torch.Tensor | None = None
     logit_bias: torch.Tensor | None = None  # [B, V] float32, added to the logits
+    # Some rows' logits come masked by a grammar's bitmask (set to -inf by the runner).
+    grammar_masked: bool = False
     # Most logprobs any row asked for (0: the sampled token only); None: no row asked.
     max_num_logprobs: int | None = None
 
@@ -84,6 +91,9 @@ class LogprobsTensors:
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64
     logprobs: LogprobsTensors | None
+    # [B] bool: the row's masks left no token, so its token and logprobs mean nothing;
+    # None when no row was masked (no grammar, allowed or banned tokens this step).
+    no_token: torch.Tensor | None = None
 
 
 def compute_logprobs(
@@ -103,7 +113,17 @@ def compute_logprobs(
 class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """``logits`` ``[B, V]`` float32 (not modified)."""
-        token_ids = self._sample(logits, metadata)
+        constrained = self._apply_constraints(logits, metadata)
+        no_token = None
+        # NOTE: only masks make -inf logits (the bias is bounded, penalties keep finite
+        # values finite), so the check runs only in steps that mask.
+        if metadata.banned_tokens is not None or metadata.grammar_masked:
+            no_token = constrained.amax(dim=-1) == float("-inf")
+            # NOTE: one host sync in masked steps; only a step with such a row pays for the
+            # fill (a broadcast mask over [B, V] costs several softmaxes on CPU).
+            if no_token.any():
+                constrained = constrained.masked_fill(no_token[:, None], 0.0)
+        token_ids = self._sample(constrained, metadata)
         logprobs = None
         num_top = metadata.max_num_logprobs
         if num_top is not None:
@@ -112,12 +132,11 @@ class Sampler:
             if num_top == -1:
                 num_top = raw_logprobs.shape[-1]
             logprobs = compute_logprobs(raw_logprobs, token_ids, num_top)
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs, no_token=no_token)
 
-    @classmethod
-    def _sample(cls, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """``[B]`` token ids, with out-of-place ops only."""
-        logits = cls._apply_constraints(logits, metadata)
+    @staticmethod
+    def _sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """``[B]`` token ids from constrained logits, with out-of-place ops only."""
         logits = apply_penalties(logits, metadata)
         token_ids = logits.argmax(dim=-1)
         if not metadata.all_greedy:

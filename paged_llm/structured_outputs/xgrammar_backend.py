@@ -222,6 +222,14 @@ class SequenceGrammar:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
+    def allows_no_token(self, vocab_size: int) -> bool:
+        """Nothing of the first ``vocab_size`` tokens may come next, its stop token
+        included: the output so far leads nowhere the grammar accepts (an unsatisfiable
+        constraint). For explaining a failure, not for every step."""
+        bitmask = import_xgrammar().allocate_token_bitmask(1, self.vocab_size)
+        self.fill_bitmask(bitmask, 0)
+        return not bool(unpack_token_bitmask(bitmask, vocab_size).any())
+
 
 def unpack_token_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """``[B, vocab_size]`` bool from a ``[B, W]`` int32 bitmask (bit ``t % 32`` of word

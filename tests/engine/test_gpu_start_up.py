@@ -89,6 +89,42 @@ def test_too_small_a_budget_fails_with_the_setting_to_raise(
         _llm(llama_dir, platform, gpu_memory_utilization=0.5)
 
 
+def test_a_cache_that_cannot_hold_one_sequence_fails_before_the_profile_step(
+    llama_dir: Path,
+) -> None:
+    """A huge max_position_embeddings: nothing sized by it (the rotary table the profile
+    step would build, its batch) exists before the check against the free memory."""
+    platform = FakeGpuPlatform()
+    with pytest.raises(
+        ValueError,
+        match=r"cannot hold one sequence of max_model_len=1073741824 tokens.*"
+        r"gpu_memory_utilization",
+    ):
+        LLM(
+            llama_dir,
+            device=platform,
+            dtype="float32",
+            hf_overrides={"max_position_embeddings": 2**30},
+            max_num_seqs=8,
+        )
+    assert platform.events == []
+
+
+def test_a_kv_cache_larger_than_the_free_memory_is_refused_before_the_profile_step(
+    llama_dir: Path,
+) -> None:
+    # 64 MiB - 8 MiB of others - 4 MiB reserved: 52 MiB free.
+    platform = FakeGpuPlatform()
+    with pytest.raises(
+        ValueError,
+        match=r"kv_cache_memory_bytes=62914560 \(0\.059 GiB\) is more than the 0\.051 GiB of "
+        r"free device memory after loading the weights\. Lower kv_cache_memory_bytes to at "
+        rf"most {52 * MIB}",
+    ):
+        _llm(llama_dir, platform, kv_cache_memory_bytes=60 * MIB)
+    assert platform.events == []
+
+
 @pytest.mark.parametrize(("num_prompts", "graph_size"), [(1, 1), (3, 4), (5, 8)])
 def test_decode_batches_run_padded_to_the_smallest_graph_that_holds_them(
     num_prompts: int, graph_size: int, llama_dir: Path

@@ -81,3 +81,48 @@ def test_bad_words_are_tokenized_with_and_without_a_leading_space(llm: LLM) -> N
     assert (spaced in request.bad_words_token_ids) == (
         spaced[0] != bare[0] and len(spaced) == len(bare)
     )
+
+
+def test_allowed_token_ids_that_min_tokens_or_bad_words_ban_entirely_are_refused(
+    llm: LLM,
+) -> None:
+    """Only allowed ids may ever come out: where the bans leave none of them, the request
+    is refused up front, naming both parameters."""
+    (eos,) = llm.eos_token_ids
+    ocean = llm.get_tokenizer().encode("ocean", add_special_tokens=False)
+    refused = {
+        "min_tokens": [
+            SamplingParams(min_tokens=2, allowed_token_ids=[eos]),
+            SamplingParams(min_tokens=1, allowed_token_ids=[eos, 7], stop_token_ids=[7]),
+            SamplingParams(
+                min_tokens=1, allowed_token_ids=[7], stop_token_ids=[7], ignore_eos=True
+            ),
+        ],
+        "bad_words": [SamplingParams(allowed_token_ids=ocean, bad_words=["ocean"])],
+    }
+    for other, cases in refused.items():
+        for params in cases:
+            _, request = llm.processor.process(["fine", "hi"], [GREEDY, params])
+            assert isinstance(request, RejectedRequest), params
+            error = request.error
+            assert (error.index, error.parameter) == (1, "allowed_token_ids")
+            assert "allowed_token_ids" in error.reason and other in error.reason
+    accepted = [
+        SamplingParams(min_tokens=2, allowed_token_ids=[eos], ignore_eos=True),
+        SamplingParams(min_tokens=2, allowed_token_ids=[eos, 7]),
+        SamplingParams(allowed_token_ids=[eos]),
+    ]
+    for params in accepted:
+        (request,) = llm.processor.process(["hi"], [params])
+        assert isinstance(request, EngineRequest), params
+
+
+def test_allowed_token_ids_with_min_tokens_only_ever_produce_allowed_ids(llm: LLM) -> None:
+    (eos,) = llm.eos_token_ids
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(
+            temperature=temperature, seed=3, max_tokens=6, min_tokens=3, allowed_token_ids=[eos, 9]
+        )
+        (output,) = llm.generate(["hi"], params, use_tqdm=False)
+        assert set(output.outputs[0].token_ids) <= {eos, 9}
+        assert len(output.outputs[0].token_ids) >= 3

@@ -197,3 +197,48 @@ def test_greedy_rows_bans_bias_and_logprobs_in_one_batch() -> None:
     assert output.logprobs.ranks.tolist() == [1, 2, 4]
     assert output.logprobs.token_ids[:, 1:].tolist() == [[1, 3]] * 3
     assert torch.allclose(output.logprobs.logprobs[:, 0], raw[torch.arange(3), output.token_ids])
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+def test_rows_whose_masks_leave_no_token_are_reported_and_never_drawn_from_nan(
+    greedy: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Row 1's bans cover every token, row 2's grammar left nothing (-inf everywhere),
+    row 0 is free: row 0 keeps its token, rows 1 and 2 are reported, nothing sees NaN."""
+    import paged_llm.layers.sampler as sampler_module
+
+    inverse_cdf = sampler_module._inverse_cdf_sample
+
+    def checked(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+        assert not probs.isnan().any(), "the sampler drew from NaN probabilities"
+        return inverse_cdf(probs, uniforms)
+
+    monkeypatch.setattr(sampler_module, "_inverse_cdf_sample", checked)
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]] * 3)
+    logits[2] = float("-inf")
+    banned = torch.tensor([[False] * 4, [True] * 4, [False] * 4])
+    metadata = SamplingMetadata(
+        temperature=torch.full((3,), 0.0 if greedy else 1.0),
+        seeds=torch.zeros(3, dtype=torch.long),
+        counters=torch.zeros(3, dtype=torch.long),
+        all_greedy=greedy,
+        banned_tokens=banned,
+        grammar_masked=True,
+    )
+    output = Sampler()(logits.clone(), metadata)
+    assert output.no_token is not None
+    assert output.no_token.tolist() == [False, True, True]
+    assert output.token_ids.min() >= 0 and output.token_ids.max() < 4
+    if greedy:
+        assert output.token_ids[0] == 1
+
+
+def test_a_step_without_masks_skips_the_empty_row_check() -> None:
+    metadata = SamplingMetadata(
+        temperature=torch.zeros(1),
+        seeds=torch.zeros(1, dtype=torch.long),
+        counters=torch.zeros(1, dtype=torch.long),
+        all_greedy=True,
+    )
+    output = Sampler()(torch.tensor([[0.0, 3.0, 1.0]]), metadata)
+    assert output.no_token is None and output.token_ids.tolist() == [1]
