@@ -13,6 +13,7 @@ from paged_llm.engine_args import KV_CACHE_DTYPES, EngineArgs
 from paged_llm.layers.attention import ATTENTION_BACKENDS
 from paged_llm.layers.quantization.checkpoint_formats import resolve_quantization
 from paged_llm.model_files.gguf_quantized import gguf_source
+from paged_llm.model_files.resolve import check_config_fields
 from paged_llm.platforms import Platform, get_platform
 from paged_llm.settings import resolved_setting
 
@@ -130,6 +131,8 @@ class EngineConfig:
         """Resolve the defaults of ``args`` against the model and the platform, and check
         what depends on them; a ValueError names the setting, its value and what is
         allowed (`EngineArgs` has checked each setting on its own)."""
+        # Again after hf_overrides, which may have changed what config.json said.
+        check_config_fields(hf_config, f"{model_dir / 'config.json'} with hf_overrides")
         platform = get_platform(args.device)
         scheduler = _scheduler_config(args, hf_config, platform)
         _check_parallel_sizes(

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from paged_llm.layers.linear import Linear
@@ -42,9 +42,18 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 def iterate_checkpoint(model_dir: Path) -> Iterator[CheckpointTensor]:
     for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        # NOTE: safetensors checks the whole header against the file's size when it opens
+        # it, so a truncated or corrupt file fails here, before any tensor is read.
+        try:
+            checkpoint = safe_open(str(path), framework="pt", device="cpu")
+        except SafetensorError as error:
+            raise ValueError(
+                f"{path} is not a readable safetensors file ({error}); it may be truncated or "
+                "corrupt: download or save the checkpoint again."
+            ) from error
+        with checkpoint as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield CheckpointTensor(name, f.get_slice(name))
+                yield CheckpointTensor(name, f.get_slice(name), path)
 
 
 def _target(name: str, packed_modules: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
@@ -83,7 +92,10 @@ def load_weights(
         name, shard = _target(ckpt_name, packed_modules)
         param = params.get(name)
         if param is None:
-            raise ValueError(f"Checkpoint weight {ckpt_name!r} has no place in the model.")
+            raise ValueError(
+                f"Checkpoint weight {ckpt_name!r} in {tensor.file} has no place in the model."
+            )
+        tensor.check_float()
         load_weight = getattr(_owner(model, name), "load_weight", None)
         if load_weight is not None:
             load_weight(param, tensor, shard)

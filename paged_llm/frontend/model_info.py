@@ -5,6 +5,7 @@ model's files. An engine is built from it and an `EngineConfig`, without an `LLM
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from paged_llm.engine_args import EngineArgs
 from paged_llm.frontend.chat import read_chat_template
 from paged_llm.model_files import resolve_model
 from paged_llm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # The fields of generation_config.json that become default SamplingParams, by their names
 # there (max_new_tokens becomes max_tokens).
@@ -45,12 +48,16 @@ class ModelInfo:
         hf_config = _hf_config(model_dir, args)
         tokenizer = None
         if not args.skip_tokenizer_init:
-            tokenizer = AutoTokenizer.from_pretrained(
-                args.tokenizer or model_dir,
-                trust_remote_code=args.trust_remote_code,
-                revision=args.tokenizer_revision,
-                use_fast=args.tokenizer_mode != "slow",
-            )
+            tokenizer = _load_tokenizer(args.tokenizer or model_dir, args)
+            if len(tokenizer) > hf_config.vocab_size:
+                logger.warning(
+                    "The tokenizer has %d tokens, more than the model's vocabulary of %d: "
+                    "the model never produces ids from %d on, and requests naming them (in "
+                    "prompts, bad_words or other token-id parameters) are refused.",
+                    len(tokenizer),
+                    hf_config.vocab_size,
+                    hf_config.vocab_size,
+                )
         chat_template = read_chat_template(args.chat_template)
         generation_file = _read_generation_config(
             model_dir if args.generation_config in ("auto", "vllm") else args.generation_config
@@ -120,6 +127,38 @@ def _hf_config(model_dir: Path, args: EngineArgs) -> Any:
     for name, value in (overrides or {}).items():
         setattr(hf_config, name, value)
     return hf_config
+
+
+# What transformers reads a tokenizer from, in a model folder.
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+)
+
+
+def _load_tokenizer(source: str | Path, args: EngineArgs) -> PreTrainedTokenizerBase:
+    """The tokenizer of ``source``, or a ValueError naming it and the files looked for."""
+    try:
+        tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+            source,
+            trust_remote_code=args.trust_remote_code,
+            revision=args.tokenizer_revision,
+            use_fast=args.tokenizer_mode != "slow",
+        )
+    except (OSError, ValueError) as error:
+        found = [name for name in _TOKENIZER_FILES if (Path(source) / name).is_file()]
+        raise ValueError(
+            f"No tokenizer could be loaded from {source}: looked for "
+            f"{', '.join(_TOKENIZER_FILES)}; found {', '.join(found) or 'none of them'} "
+            f"({type(error).__name__}: {str(error).splitlines()[0]}). Add the model's "
+            "tokenizer files, pass "
+            "tokenizer=<folder>, or skip_tokenizer_init=True to run on token ids."
+        ) from error
+    return tokenizer
 
 
 def _read_generation_config(folder: str | Path) -> dict[str, Any]:

@@ -226,23 +226,32 @@ def use_fixed_row_tiles(model: nn.Module) -> None:
 
 @dataclass(frozen=True, slots=True)
 class RowShard:
-    """The checkpoint rows ``[start, start + size)`` one projection keeps on this rank."""
+    """The checkpoint rows ``[start, start + size)`` one projection keeps on this rank, of
+    the ``num_rows`` its checkpoint tensor has."""
 
     start: int
     size: int
+    num_rows: int
 
     @classmethod
     def of_heads(
         cls, tp: TensorParallelGroup, num_heads: int, head_dim: int
     ) -> tuple[RowShard, int]:
-        """This rank's whole heads of a projection with ``num_heads``, and how many.
+        """This rank's whole heads of a projection with ``num_heads`` (at least one; the
+        config's checks refuse fewer), and how many.
 
         With fewer heads than ranks each head is replicated on ``size // num_heads``
         consecutive ranks, so every rank holds one whole head.
         """
         heads_per_rank = max(num_heads // tp.size, 1)
         first_head = tp.rank * num_heads // tp.size
-        return cls(first_head * head_dim, heads_per_rank * head_dim), heads_per_rank
+        shard = cls(first_head * head_dim, heads_per_rank * head_dim, num_heads * head_dim)
+        return shard, heads_per_rank
+
+    @classmethod
+    def of_rows(cls, tp: TensorParallelGroup, num_rows: int) -> RowShard:
+        """This rank's equal share of a projection's ``num_rows`` (divisible by the ranks)."""
+        return cls(*tp.shard_range(num_rows), num_rows)
 
 
 class PackedLinear(Linear):
@@ -270,25 +279,28 @@ class PackedLinear(Linear):
         return len(self.shards)
 
     def checkpoint_part(self, loaded: CheckpointTensor, shard: int | None) -> CheckpointPart:
+        return self._part(loaded, shard, (self.in_features,))
+
+    def _part(
+        self, loaded: CheckpointTensor, shard: int | None, row_shape: tuple[int, ...]
+    ) -> CheckpointPart:
+        """This rank's part of projection ``shard``, whose checkpoint tensor must have
+        the projection's rows of ``row_shape`` each (a weight's features, a bias's none)."""
         if shard is None:
             raise ValueError(
                 f"Checkpoint weight {loaded.name!r} is already packed; paged_llm loads the "
                 "separate projections (q_proj, k_proj, v_proj, gate_proj, up_proj)."
             )
         part = self.shards[shard]
-        if loaded.shape[0] < part.start + part.size:
-            raise ValueError(
-                f"Checkpoint weight {loaded.name!r} has {loaded.shape[0]} rows, the model "
-                f"expects at least {part.start + part.size}."
-            )
+        loaded.check_shape((part.num_rows, *row_shape))
         offset = self.offsets[shard]
         return CheckpointPart((part.start, part.size), None, slice(offset, offset + part.size))
 
     def load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard: int | None) -> None:
-        part = self.checkpoint_part(loaded, shard)
         if param is self.weight:
-            self.store_weight(loaded, part)
+            self.store_weight(loaded, self.checkpoint_part(loaded, shard))
         else:
+            part = self._part(loaded, shard, ())
             param.data[part.out_rows].copy_(loaded.read(rows=part.rows))
 
 

@@ -4,6 +4,7 @@ loaded weights take."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,12 +14,16 @@ from torch import nn
 class CheckpointTensor:
     """One tensor of a checkpoint, not read until a rank asks for its rows or columns.
 
-    ``source`` is a safetensors slice (read lazily from the file) or a tensor.
+    ``source`` is a safetensors slice (read lazily from the file) or a tensor; ``file`` is
+    where it was read from, for error messages (None: not from a file).
     """
 
-    def __init__(self, name: str, source: Any) -> None:
+    file: Path | None = None
+
+    def __init__(self, name: str, source: Any, file: Path | None = None) -> None:
         self.name = name
         self._source = source
+        self.file = file
         shape = source.shape if isinstance(source, torch.Tensor) else source.get_shape()
         self.shape = tuple(shape)
 
@@ -37,11 +42,35 @@ class CheckpointTensor:
         return zero_padded(self._source[held, cols[0] : cols[0] + cols[1]], missing)
 
     def check_shape(self, expected: tuple[int, ...]) -> None:
+        """A ValueError, naming the tensor, its file and both shapes, unless the tensor has
+        exactly the shape ``expected`` of the model built from the config."""
         if self.shape != expected:
             raise ValueError(
-                f"Checkpoint weight {self.name!r} has shape {self.shape}, the model expects "
-                f"{expected}."
+                f"Checkpoint weight {self.name!r}{self._in_file} has shape {self.shape}; the "
+                f"model built from its config expects {expected}. The config (config.json: "
+                "hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, "
+                "head_dim, vocab_size) must describe the checkpoint's weights."
             )
+
+    def check_float(self) -> None:
+        """A ValueError unless the tensor holds floating-point values: an integer or bool
+        tensor where the model has a float parameter is a wrong checkpoint, not one to cast."""
+        if isinstance(self._source, torch.Tensor):
+            is_float, dtype = self._source.is_floating_point(), str(self._source.dtype)
+        else:
+            # safetensors names its float types F64, F32, F16, BF16, F8_E4M3, F8_E5M2.
+            dtype = self._source.get_dtype()
+            is_float = dtype.startswith(("F", "BF"))
+        if not is_float:
+            raise ValueError(
+                f"Checkpoint weight {self.name!r}{self._in_file} has dtype {dtype}; the model's "
+                "parameter is floating point, and integer or bool weights are not cast. A "
+                "quantized checkpoint needs its quantization_config in config.json."
+            )
+
+    @property
+    def _in_file(self) -> str:
+        return "" if self.file is None else f" in {self.file}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,7 @@ from paged_llm.model_files.gguf import (
     _hf_tensor_name,
     _metadata,
     _unpermute_rope_rows,
+    gguf_reader,
     import_gguf,
 )
 
@@ -159,7 +160,7 @@ def quantized_tensors(
     embedding and LM head where the file stores them in a type kept quantized (llama.cpp
     quantizes them in its usual presets: SmolLM2's Q4_1 file has a Q8_0 embedding); a
     float one stays float, as the file has it."""
-    reader = import_gguf().GGUFReader(gguf_path)
+    reader = gguf_reader(gguf_path)
     permuted = _metadata(reader, "general.architecture") in _ROPE_PERMUTED_ARCHITECTURES
     for tensor in reader.tensors:
         part = tensor.name.split(".")

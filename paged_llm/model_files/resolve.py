@@ -15,6 +15,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import huggingface_hub
 from huggingface_hub.errors import HFValidationError
@@ -33,6 +34,19 @@ _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Hugging Face repo ids: "namespace/name" of letters, digits, "-", "_" and ".".
 _HUB_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+# The config fields the model's shapes come from: each, where the config has it, a positive
+# integer (transformers divides by some before anything checks them).
+_POSITIVE_CONFIG_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,11 +91,19 @@ def resolve_model(model: str | os.PathLike[str], *, revision: str | None = None)
     Raises:
         ModelNotFoundError: nothing found; the message lists every place looked in and what to
             install or download.
-        ValueError: the path exists but is not a usable model (no config.json, .bin-only
-            weights, an unsupported GGUF architecture, ...).
+        ValueError: the path exists but is not a usable model (no config.json, a config
+            field no model has, .bin-only weights, an unsupported GGUF architecture, ...).
     """
     if not isinstance(model, (str, os.PathLike)) or not str(model):
         raise ValueError(f"model must be a non-empty path or hub id, got {model!r}")
+    resolved = _find_model(model, revision)
+    config_file = resolved.path / "config.json"
+    check_config_fields(_read_config_file(config_file), str(config_file))
+    return resolved
+
+
+def _find_model(model: str | os.PathLike[str], revision: str | None) -> ResolvedModel:
+    """The directory of `model`, in the order the module docstring lists."""
     path = Path(model).expanduser()
     if path.exists():
         if revision is not None:
@@ -120,6 +142,52 @@ def _resolve_local(path: Path) -> ResolvedModel:
             "*.safetensors weights (one file, or shards with model.safetensors.index.json)" + hint
         )
     return ResolvedModel(path.resolve(), "directory")
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(
+            f"{path} is not valid JSON ({error}); restore the model's config.json."
+        ) from error
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a {type(config).__name__}, not a JSON object.")
+    return config
+
+
+def check_config_fields(config: Any, source: str) -> None:
+    """A ValueError naming ``source``, the field, its value and what is allowed, where a
+    model config (config.json's mapping, or the config object with ``hf_overrides``
+    applied) gives sizes no model has: a size or count that is not a positive integer,
+    query heads that the KV heads do not divide, or a sliding window in use that is not a
+    positive number of tokens."""
+
+    def field(name: str) -> Any:
+        return config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+
+    def is_positive_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+    for name in _POSITIVE_CONFIG_FIELDS:
+        value = field(name)
+        if value is not None and not is_positive_int(value):
+            raise ValueError(f"{source} has {name}={value!r}; it must be a positive integer.")
+    heads, kv_heads = field("num_attention_heads"), field("num_key_value_heads")
+    if heads is not None and kv_heads is not None and heads % kv_heads != 0:
+        raise ValueError(
+            f"{source} has num_attention_heads={heads} and num_key_value_heads={kv_heads}; "
+            "each KV head serves a group of query heads, so num_key_value_heads must divide "
+            "num_attention_heads."
+        )
+    window = field("sliding_window")
+    # NOTE: as the model reads it: a window the config switches off is never used.
+    in_use = window is not None and field("use_sliding_window") is not False
+    if in_use and not is_positive_int(window):
+        raise ValueError(
+            f"{source} has sliding_window={window!r}; it must be a positive number of "
+            "tokens, or null for attention over the whole context."
+        )
 
 
 def _hf_directory_problem(directory: Path) -> str | None:

@@ -106,7 +106,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         size = config.intermediate_size
-        shard = RowShard(*context.tp.shard_range(size))
+        shard = RowShard.of_rows(context.tp, size)
         self.gate_up_proj = PackedLinear(
             config.hidden_size, [shard, shard], bias, context.quant_method
         )

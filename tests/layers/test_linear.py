@@ -6,13 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from paged_llm.distributed.group import TensorParallelGroup
 from paged_llm.layers.linear import (
     BATCH_INVARIANT_ROW_TILE,
     Linear,
+    PackedLinear,
+    RowShard,
     onednn_linear_available,
     prepack_for_cpu,
     use_fixed_row_tiles,
 )
+from paged_llm.layers.weights import CheckpointTensor
 
 
 # None: torch's matmul; False: oneDNN from a packed weight; True: oneDNN from the dense
@@ -87,3 +91,32 @@ def test_bfloat16_weights_multiply_in_float32_from_a_few_rows(bias: bool) -> Non
         assert torch.equal(
             layer(rows[:1]), torch.nn.functional.linear(rows[:1], layer.weight, layer.bias)
         )
+
+
+def test_a_packed_projection_takes_only_a_checkpoint_tensor_of_its_whole_shape() -> None:
+    """A rank's rows of a projection are checked against the whole tensor: 64 rows hold the
+    32 asked for, and were taken before, as heads of the wrong size."""
+    layer = PackedLinear(64, [RowShard(0, 32, 32)], bias=True)
+    with pytest.raises(ValueError, match=r"'q' has shape \(64, 64\).* expects \(32, 64\)"):
+        layer.load_weight(layer.weight, CheckpointTensor("q", torch.zeros(64, 64)), 0)
+    with pytest.raises(ValueError, match=r"'q' has shape \(32, 48\).* expects \(32, 64\)"):
+        layer.load_weight(layer.weight, CheckpointTensor("q", torch.zeros(32, 48)), 0)
+    with pytest.raises(ValueError, match=r"'q.bias' has shape \(33,\).* expects \(32,\)"):
+        layer.load_weight(layer.bias, CheckpointTensor("q.bias", torch.zeros(33)), 0)
+    weight, bias = torch.randn(32, 64), torch.randn(32)
+    layer.load_weight(layer.weight, CheckpointTensor("q", weight), 0)
+    layer.load_weight(layer.bias, CheckpointTensor("q.bias", bias), 0)
+    assert torch.equal(layer.weight, weight)
+    assert torch.equal(layer.bias, bias)
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "rank", "expected"),
+    # 4 heads of 8 over 2 ranks: 2 each; 1 head over 2 ranks: replicated on both.
+    [(4, 1, RowShard(16, 16, 32)), (1, 1, RowShard(0, 8, 8))],
+)
+def test_a_rank_keeps_whole_heads_of_the_whole_projection(
+    num_heads: int, rank: int, expected: RowShard
+) -> None:
+    tp = TensorParallelGroup(rank=rank, size=2)
+    assert RowShard.of_heads(tp, num_heads, head_dim=8)[0] == expected

@@ -5,6 +5,7 @@ writes it: tensor names from gguf-py's own name tables (independent of ours), q/
 for llama. Converting it back must give the same logits as the original model.
 """
 
+import logging
 import math
 import os
 import socket
@@ -408,6 +409,25 @@ def test_second_resolve_reuses_the_conversion(
 
     assert first == second
     assert conversions == [gguf_path.resolve()]
+
+
+def test_a_first_conversion_says_where_it_caches_and_about_how_long(
+    tmp_path: Path, cache: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    gguf_path = write_gguf(tmp_path / "model.gguf", tiny_model("llama"), "llama").resolve()
+
+    with caplog.at_level(logging.INFO, logger="paged_llm"):
+        resolved = resolve_model(gguf_path)
+        first = [record.getMessage() for record in caplog.records]
+        caplog.clear()
+        resolve_model(gguf_path)
+
+    assert resolved.path.parent == cache / "gguf"
+    assert (
+        f"Converting {gguf_path} into {resolved.path} (once, ~1 s; later loads reuse it)" in first
+    )
+    assert any(message.startswith(f"Converted {gguf_path.name} in ") for message in first)
+    assert not [record for record in caplog.records if "Convert" in record.getMessage()]
 
 
 def test_changed_file_is_converted_again(

@@ -71,7 +71,7 @@ def test_a_layer_multiplies_projections_of_different_types() -> None:
     blocks = [gguf_blocks(name, 8, 256, seed) for seed, name in enumerate(types)]
     method = get_quantized_linear_method("gguf", triton=False)
     assert isinstance(method, GroupQuantizedLinearMethod)
-    layer = PackedLinear(256, [RowShard(0, 8), RowShard(0, 8)], False, method)
+    layer = PackedLinear(256, [RowShard(0, 8, 8), RowShard(0, 8, 8)], False, method)
     for shard, (name, raw) in enumerate(zip(types, blocks, strict=True)):
         tensor = GroupQuantizedTensor(f"p{shard}", repack(raw, name, (8, 256)))
         method.load_quantized(layer, tensor, shard)

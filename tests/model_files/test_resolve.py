@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,7 @@ def fake_conversion(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
 
     def convert(gguf_path: Path, cache_root: Path) -> Path:
         converted.append(gguf_path)
-        return cache_root / "gguf" / "converted"
+        return make_model_dir(cache_root / "gguf" / "converted")
 
     monkeypatch.setattr(resolve_module, "cached_gguf_conversion", convert)
     return converted
@@ -233,3 +234,16 @@ def test_cache_dir_honours_paged_llm_cache(monkeypatch: pytest.MonkeyPatch, tmp_
     monkeypatch.delenv("PAGED_LLM_CACHE")
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     assert cache_dir() == Path(os.path.expanduser("~/.cache/paged_llm"))
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"), [("{oops", "is not valid JSON"), ("[]", "holds a list")]
+)
+def test_a_config_json_that_is_no_json_object_is_named(
+    tmp_path: Path, text: str, problem: str
+) -> None:
+    model_dir = make_model_dir(tmp_path / "model")
+    (model_dir / "config.json").write_text(text)
+
+    with pytest.raises(ValueError, match=re.escape(f"{model_dir / 'config.json'} {problem}")):
+        resolve_model(model_dir)
