@@ -3,12 +3,14 @@
 A real ``torch.distributed`` process group (gloo on CPU, NCCL on GPU), built from its own
 TCPStore rather than through ``init_process_group``: that leaves the user's process free
 of global distributed state, so several engines can live side by side and shut down
-cleanly. Everything binds 127.0.0.1: the ranks of a group are processes of one machine.
+cleanly. The ranks of a group are processes of one machine: the store and gloo listen on
+127.0.0.1 only (NCCL's own bootstrap sockets follow ``NCCL_SOCKET_IFNAME``).
 """
 
 from __future__ import annotations
 
 import datetime
+import socket
 import time
 from typing import Any
 
@@ -112,9 +114,27 @@ class TensorParallelGroup:
 
 def create_store(size: int) -> dist.TCPStore:
     """Rank 0's rendezvous on a free loopback port (``store.port``)."""
-    return dist.TCPStore(
-        LOOPBACK, 0, size, is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT
-    )
+    # NOTE: TCPStore binds its own listener to every interface (::), whatever host it is
+    # given; a socket bound to loopback here and handed over keeps it off the network.
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((LOOPBACK, 0))
+        store = dist.TCPStore(
+            LOOPBACK,
+            listener.getsockname()[1],
+            size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=_STORE_TIMEOUT,
+            master_listen_fd=listener.fileno(),
+            # libuv's server owns the descriptor from here on and closes it with the store.
+            use_libuv=True,
+        )
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()
+    return store
 
 
 def join_store(port: int, size: int) -> dist.TCPStore:

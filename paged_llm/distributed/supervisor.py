@@ -10,6 +10,11 @@ Two kinds belong to the supervisor; every other kind is its user's protocol::
     parent -> child   ("stop", None)             finish and return from the target
     child -> parent   ("failed", ChildFailure)   the target raised; sent before exit code 1
 
+``spawn`` runs the parent's script again in each child, as module ``__mp_main__``, before
+the target; a script that starts children at its top level, outside ``if __name__ ==
+"__main__":``, would start them again there. Such a child exits with a code of its own
+instead (`Child.reran_script`), for its parent to raise `UnguardedScriptError`.
+
 A child ignores Ctrl-C (it reaches the whole process group; the parent decides how its
 children stop); its target returns when its command pipe closes (the parent is gone), so
 no child outlives its parent for long. A `Supervisor` stops its children when its owner is
@@ -34,6 +39,21 @@ from typing import Any
 Message = tuple[str, Any]
 
 _CONTEXT = get_context("spawn")
+
+# The exit code of a child whose re-run of its parent's script reached `Supervisor.spawn`
+# (sysexits' EX_CONFIG: a setup error, which no target of ours exits with).
+_SCRIPT_RERUN_EXIT_CODE = 78
+
+
+class UnguardedScriptError(RuntimeError):
+    """The children re-ran the user's script, whose top level starts children of its own:
+    the script lacks ``if __name__ == "__main__":``."""
+
+    def __init__(self, setting: str, children: str) -> None:
+        super().__init__(
+            f"{setting} starts {children} processes with spawn, which re-runs your script's "
+            'top level: put the code that builds the LLM under `if __name__ == "__main__":`.'
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +125,12 @@ class Child:
         self.ended = True
         return self.cause()
 
+    @property
+    def reran_script(self) -> bool:
+        """The child ended while re-running its parent's script, which lacks the main guard
+        (known once it is reaped)."""
+        return self.process.exitcode == _SCRIPT_RERUN_EXIT_CODE
+
     def cause(self) -> str:
         """Why the process ended, in words: ``exit code 1``, ``killed by signal SIGKILL``,
         followed by ``after ValueError: ...`` when it reported an exception."""
@@ -158,6 +184,11 @@ class Supervisor:
         multiprocessing end the child at exit too; a child that starts processes of its own
         cannot be one.
         """
+        # NOTE: multiprocessing marks a child "inheriting" while it re-runs its parent's
+        # script; starting a process then raises its bootstrapping error, which the parent
+        # would see only as exit code 1.
+        if getattr(_CONTEXT.current_process(), "_inheriting", False):
+            raise SystemExit(_SCRIPT_RERUN_EXIT_CODE)
         child_commands, commands = _CONTEXT.Pipe(duplex=False)
         results, child_results = _CONTEXT.Pipe(duplex=False)
         process = _CONTEXT.Process(

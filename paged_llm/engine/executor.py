@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from paged_llm.config import EngineConfig
 from paged_llm.distributed.group import TensorParallelGroup, create_store
-from paged_llm.distributed.supervisor import Child, Supervisor, wait
+from paged_llm.distributed.supervisor import Child, Supervisor, UnguardedScriptError, wait
 from paged_llm.engine.model_runner import ModelRunner, StepOutput, StepPlan
 from paged_llm.engine.scheduler import ScheduledBatch
 from paged_llm.engine.worker import WorkerSpec, run_worker
@@ -115,7 +115,11 @@ class MultiprocExecutor:
             for worker in ready:
                 kinds = [kind for kind, _ in worker.receive()]
                 if kinds != [expected] or worker.ended or worker.failure is not None:
-                    raise self._fail(worker)
+                    failure = self._fail(worker)
+                    if worker.reran_script:
+                        size = len(self._workers) + 1
+                        raise UnguardedScriptError(f"tensor_parallel_size={size}", "worker")
+                    raise failure
                 pending.remove(worker)
 
     def _fail(self, worker: Child, cause: str | None = None) -> WorkerError:

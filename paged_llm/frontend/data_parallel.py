@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from paged_llm.distributed.supervisor import Child, Supervisor, wait
+from paged_llm.distributed.supervisor import Child, Supervisor, UnguardedScriptError, wait
 from paged_llm.engine.llm_engine import EngineMetrics
 from paged_llm.engine.request import EngineRequest
 from paged_llm.frontend.engine_client import EngineClient, RequestsLostError
@@ -229,6 +229,8 @@ class DataParallelEngine:
         failed = next((replica for replica in self._replicas if not replica.alive), None)
         if failed is None:
             return
+        if failed.child.reran_script:
+            raise UnguardedScriptError(f"data_parallel_size={len(self._replicas)}", "replica")
         failure = failed.child.failure
         message = f"Data-parallel replica {failed.rank} failed to start ({failed.child.cause()})"
         if failure is None:

@@ -22,7 +22,7 @@ from paged_llm import LLM, BeamSearchParams, SamplingParams, cli
 from paged_llm.engine.executor import MultiprocExecutor, WorkerError
 from paged_llm.platforms import CpuPlatform
 from tests.conftest import TINY_MODELS, hf_greedy
-from tests.distributed.processes import child_pids
+from tests.distributed.processes import child_pids, descendant_pids, listening_addresses
 from tests.model_files.test_gguf import tiny_model, write_gguf
 from tests.models.test_parity import (
     SCENARIO_GROUPS,
@@ -155,6 +155,17 @@ def test_shutdown_and_garbage_collection_end_the_workers(
     del llm
     gc.collect()
     # The fixture checks that the worker is gone.
+
+
+def test_the_ranks_listen_on_loopback_only(llama_dir: Path) -> None:
+    with LLM(llama_dir, max_model_len=128, tensor_parallel_size=TP) as llm:
+        llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+        processes = {os.getpid(), *descendant_pids()}
+        assert len(processes) >= TP
+        listening = listening_addresses(processes)
+    # The rendezvous store, and gloo's own listener on each rank.
+    assert len(listening) >= 1 + TP
+    assert {address for address, _ in listening} <= {"127.0.0.1", "::1"}, listening
 
 
 class WorkerFailsToStart(CpuPlatform):
