@@ -167,10 +167,7 @@ def _check_metadata(gguf: ModuleType, header: _Header, key_count: int) -> int:
     alignment = _DEFAULT_ALIGNMENT
     keys: set[str] = set()
     for index in range(key_count):
-        key = header.text(f"the name of metadata key {index}")
-        if key in keys:
-            raise header.error(f"metadata key {key!r}", "appears twice")
-        keys.add(key)
+        key = _new_name(header, keys, "metadata key", index)
         field = f"metadata {key!r}"
         value_type = _value_type(gguf, header, f"the type of {field}")
         if key == "general.alignment":
@@ -186,6 +183,15 @@ def _check_metadata(gguf: ModuleType, header: _Header, key_count: int) -> int:
         else:
             header.take(_SCALAR_BYTES[value_type], field)
     return alignment
+
+
+def _new_name(header: _Header, seen: set[str], kind: str, index: int) -> str:
+    """The name of the ``index``-th metadata key or tensor, refused if an earlier one has it."""
+    name = header.text(f"the name of {kind} {index}")
+    if name in seen:
+        raise header.error(f"{kind} {name!r}", "appears twice")
+    seen.add(name)
+    return name
 
 
 def _value_type(gguf: ModuleType, header: _Header, field: str) -> str:
@@ -217,10 +223,7 @@ def _check_tensor_infos(
     extents = []
     names: set[str] = set()
     for index in range(tensor_count):
-        name = header.text(f"the name of tensor {index}")
-        if name in names:
-            raise header.error(f"tensor {name!r}", "appears twice")
-        names.add(name)
+        name = _new_name(header, names, "tensor", index)
         num_dims = header.number("I", f"the dimension count of tensor {name!r}")
         if num_dims > _MAX_DIMS:
             raise header.error(
