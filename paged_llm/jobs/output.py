@@ -71,13 +71,19 @@ class RowCounts:
         for count in fields(self):
             setattr(self, count.name, getattr(self, count.name) + getattr(other, count.name))
 
-    def summary(self, output: Path, num_skipped: int, seconds: float) -> str:
+    def summary(
+        self, output: Path, num_skipped: int, seconds: float, *, loading_included: bool = False
+    ) -> str:
         """The job's last line; ``seconds`` is the time spent generating, so that the output
-        tokens per second leave out loading the model."""
+        tokens per second leave out loading the model, unless ``loading_included`` says the
+        figure could not separate them (a cluster's actors load while others generate)."""
+        timed = f"{seconds:.1f} s" + (
+            ", the actors' model loading included" if loading_included else ""
+        )
         return (
             f"Done: {self.num_written} rows written to {output} ({self.num_errors} errors), "
             f"{num_skipped} skipped as already done; {self.prompt_tokens} prompt + "
-            f"{self.completion_tokens} completion tokens in {seconds:.1f} s "
+            f"{self.completion_tokens} completion tokens in {timed} "
             f"({self.completion_tokens / seconds:.1f} output tok/s)."
         )
 

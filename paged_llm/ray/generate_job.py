@@ -71,7 +71,8 @@ def run_on_cluster(
                 sink,
                 ray_remote_args={"num_cpus": 0},  # as reading: see _read
             )
-            print(sink.counts.summary(spec.output, 0, time.perf_counter() - started))
+            seconds = time.perf_counter() - started
+            print(sink.counts.summary(spec.output, 0, seconds, loading_included=True))
     finally:
         if connects:
             ray.shutdown()
