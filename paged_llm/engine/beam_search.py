@@ -162,6 +162,10 @@ class BeamSearcher:
                     finished.append((state.request, result))
         return finished
 
+    def abort(self, request_id: str) -> None:
+        """Forget one search (`Scheduler.abort_request` drops its sequences)."""
+        self.searches.pop(request_id, None)
+
     def abort_all(self) -> None:
         """Forget every search (`Scheduler.abort_all` drops their sequences)."""
         self.searches.clear()

@@ -201,8 +201,7 @@ class LLMEngine:
         for seq in seqs.values():
             reason, parameter = _no_token_reason(seq, vocab_size)
             self.scheduler.abort_request(seq.request)
-            # NOTE: a beam search's state goes with its sequences.
-            self.beam_searcher.searches.pop(seq.request_id, None)
+            self.beam_searcher.abort(seq.request_id)
             failed.append(self.output_processor.make_error_output(seq.request, reason, parameter))
         return failed
 

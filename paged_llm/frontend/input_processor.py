@@ -236,13 +236,17 @@ class InputProcessor:
                 parameter="prompt",
                 value=len(token_ids),
             )
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        bad = self._outside_vocabulary(token_ids)
         if bad is not None:
             raise RequestError(
                 f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size}).",
                 parameter="prompt_token_ids",
                 value=bad,
             )
+
+    def _outside_vocabulary(self, token_ids: list[int]) -> int | None:
+        """The first of ``token_ids`` the model cannot produce, or None."""
+        return next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
 
     def _check_sampling_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
         try:
@@ -275,7 +279,7 @@ class InputProcessor:
                 parameter="n",
                 value=params.n,
             )
-        bad = next((t for t in params.token_ids_in_use() if not 0 <= t < self.vocab_size), None)
+        bad = self._outside_vocabulary(params.token_ids_in_use())
         if bad is not None:
             raise RequestError(
                 f"SamplingParams names token id {bad}, outside the vocabulary "
@@ -412,7 +416,7 @@ class InputProcessor:
             # vLLM decides.
             if spaced[0] != bare[0] and len(spaced) == len(bare):
                 forms.append(spaced)
-            outside = next((t for ids in forms for t in ids if t >= self.vocab_size), None)
+            outside = self._outside_vocabulary([t for ids in forms for t in ids])
             if outside is not None:
                 raise RequestError(
                     f"bad word {word!r} has token id {outside}, outside the model's vocabulary "

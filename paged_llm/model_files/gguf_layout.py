@@ -21,23 +21,11 @@ import struct
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
+
 _MAGIC = b"GGUF"
 # The versions gguf-py's reader reads (version 1 counted in 32 bits).
 _SUPPORTED_VERSIONS = (2, 3)
-# Bytes of each fixed-size value type, by gguf-py's GGUFValueType names.
-_SCALAR_BYTES = {
-    "UINT8": 1,
-    "INT8": 1,
-    "BOOL": 1,
-    "UINT16": 2,
-    "INT16": 2,
-    "UINT32": 4,
-    "INT32": 4,
-    "FLOAT32": 4,
-    "UINT64": 8,
-    "INT64": 8,
-    "FLOAT64": 8,
-}
 # The fewest bytes a metadata key takes (name length, value type, a one-byte value), and a
 # tensor's info (name length, dimension count, type, offset): what a count must leave room for.
 _MIN_KEY_BYTES = 8 + 4 + 1
@@ -181,7 +169,7 @@ def _check_metadata(gguf: ModuleType, header: _Header, key_count: int) -> int:
         elif value_type == "STRING":
             header.string(field)
         else:
-            header.take(_SCALAR_BYTES[value_type], field)
+            header.take(_scalar_bytes(gguf, value_type), field)
     return alignment
 
 
@@ -203,13 +191,19 @@ def _value_type(gguf: ModuleType, header: _Header, field: str) -> str:
     return name
 
 
+def _scalar_bytes(gguf: ModuleType, type_name: str) -> int:
+    """The size of one value of a scalar GGUF type, as gguf-py's reader reads it."""
+    scalar = gguf.GGUFReader.gguf_scalar_to_np[gguf.GGUFValueType[type_name]]
+    return int(np.dtype(scalar).itemsize)
+
+
 def _skip_array(gguf: ModuleType, header: _Header, field: str) -> None:
     item_type = _value_type(gguf, header, f"the item type of {field}")
     count = header.number("Q", f"the length of {field}")
     if item_type == "STRING":
         header.skip_strings(count, field)
-    elif item_type in _SCALAR_BYTES:
-        size = _SCALAR_BYTES[item_type]
+    elif item_type != "ARRAY":
+        size = _scalar_bytes(gguf, item_type)
         header.take(count * size, f"{field} ({count} {item_type} values of {size} bytes)")
     else:
         # NOTE: llama.cpp refuses arrays of arrays too.
