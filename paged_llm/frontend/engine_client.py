@@ -1,20 +1,20 @@
 """`EngineClient`: what the front end drives, whichever engine runs the requests.
 
-Three clients answer it: an `LLMEngine` in this process, the same engine with tensor-parallel
+Three clients answer it: an `EngineCore` in this process, the same engine with tensor-parallel
 worker processes behind its executor, and a `DataParallelEngine` that spreads requests over
-replica processes (each an `LLMEngine` built by `build_engine`).
+replica processes (each an `EngineCore` built by `build_engine`).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Protocol
 
 from paged_llm.config import EngineConfig
-from paged_llm.engine.llm_engine import EngineMetrics, LLMEngine
+from paged_llm.engine.core import EngineCore, EngineMetrics
 from paged_llm.engine.request import EngineRequest
 from paged_llm.engine_args import EngineArgs
 from paged_llm.frontend.model_info import ModelInfo
+from paged_llm.metrics import Metric
 from paged_llm.outputs import RequestOutput
 
 
@@ -45,16 +45,29 @@ class EngineClient(Protocol):
         """Drop every unfinished request and release what it holds."""
         ...
 
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Drop these requests (unknown or finished ids are ignored); they report nothing."""
+        ...
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing forgotten) while requests run."""
+        ...
+
     def get_metrics(self) -> EngineMetrics: ...
+
+    def get_stat_metrics(self, model_name: str) -> list[Metric]:
+        """vLLM's metrics, one series per name and engine, labelled with ``model_name``
+        and the engine's index (``engine``)."""
+        ...
 
     def shutdown(self) -> None:
         """Free the KV cache and the weights, and end any worker process."""
         ...
 
 
-def build_engine(model: str | Path, args: EngineArgs) -> LLMEngine:
-    """An engine for ``model`` with ``args`` (a data-parallel replica's, in its process):
-    the model's files read and the settings resolved as `LLM` does, without an `LLM`."""
-    info = ModelInfo.load(model, args)
+def build_engine(args: EngineArgs) -> EngineCore:
+    """An engine with ``args`` (a data-parallel replica's, in its process): the model's
+    files read and the settings resolved as `LLM` does, without an `LLM`."""
+    info = ModelInfo.load(args)
     config = EngineConfig.create(info.model_dir, info.hf_config, args)
-    return LLMEngine(config, info.tokenizer, info.eos_token_ids)
+    return EngineCore(config, info.tokenizer, info.eos_token_ids)

@@ -12,7 +12,6 @@ from typing import Any
 
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from paged_llm.config import EngineConfig, ModelConfig
 from paged_llm.engine_args import EngineArgs
 from paged_llm.frontend.chat import read_chat_template
 from paged_llm.model_files import resolve_model
@@ -42,8 +41,9 @@ class ModelInfo:
     eos_token_ids: frozenset[int]
 
     @classmethod
-    def load(cls, model: str | Path, args: EngineArgs) -> ModelInfo:
-        """Resolve ``model`` (a directory, a .gguf file or a cached hub id) and read it."""
+    def load(cls, args: EngineArgs) -> ModelInfo:
+        """Resolve ``args.model`` (a directory, a .gguf file or a cached hub id) and read it."""
+        model = args.model
         model_dir = resolve_model(model, revision=args.revision).path
         hf_config = _hf_config(model_dir, args)
         tokenizer = None
@@ -95,27 +95,6 @@ class ModelInfo:
         if generation.get("max_new_tokens") is not None:
             fields["max_tokens"] = generation["max_new_tokens"]
         return SamplingParams(**fields)
-
-    def model_config(self, args: EngineArgs, config: EngineConfig) -> ModelConfig:
-        """The model as vLLM's ``llm.llm_engine.model_config`` reports it."""
-        names = args.served_model_name
-        served = names[0] if isinstance(names, list) else names
-        return ModelConfig(
-            model=self.model,
-            tokenizer=str(args.tokenizer or self.model_dir),
-            tokenizer_mode=args.tokenizer_mode,
-            trust_remote_code=args.trust_remote_code,
-            dtype=config.dtype,
-            seed=config.seed,
-            revision=args.revision,
-            tokenizer_revision=args.tokenizer_revision,
-            max_model_len=config.max_model_len,
-            max_logprobs=config.max_logprobs,
-            hf_config=config.hf_config,
-            served_model_name=served if served is not None else self.model,
-            generation_config=str(args.generation_config),
-            skip_tokenizer_init=args.skip_tokenizer_init,
-        )
 
 
 def _hf_config(model_dir: Path, args: EngineArgs) -> Any:

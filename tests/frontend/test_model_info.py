@@ -20,7 +20,7 @@ def test_an_engine_built_without_an_llm_generates_what_the_llms_engine_does(
 ) -> None:
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     (expected,) = llm.generate("The harbour at dawn", params, use_tqdm=False)
-    engine = build_engine(llama_dir, EngineArgs(max_model_len=MAX_MODEL_LEN))
+    engine = build_engine(EngineArgs(model=llama_dir, max_model_len=MAX_MODEL_LEN))
     try:
         engine.add_request(EngineRequest("alone", None, expected.prompt_token_ids, params))
         outputs = []
@@ -40,12 +40,12 @@ def test_eos_ids_and_sampling_defaults_come_from_generation_config(
     (folder / "generation_config.json").write_text(
         json.dumps({"eos_token_id": [2, 7], "temperature": 0.3, "max_new_tokens": 12})
     )
-    info = ModelInfo.load(folder, EngineArgs())
+    info = ModelInfo.load(EngineArgs(model=folder))
     assert {2, 7} <= info.eos_token_ids
     defaults = info.default_sampling_params()
     assert (defaults.temperature, defaults.max_tokens) == (0.3, 12)
-    vllm_defaults = ModelInfo.load(folder, EngineArgs(generation_config="vllm"))
+    vllm_defaults = ModelInfo.load(EngineArgs(model=folder, generation_config="vllm"))
     assert vllm_defaults.default_sampling_params() == SamplingParams()
     assert {2, 7} <= vllm_defaults.eos_token_ids
-    overridden = ModelInfo.load(folder, EngineArgs(override_generation_config={"top_k": 5}))
+    overridden = ModelInfo.load(EngineArgs(model=folder, override_generation_config={"top_k": 5}))
     assert overridden.default_sampling_params().top_k == 5
