@@ -12,6 +12,7 @@ import torch
 from paged_llm.engine_args import KV_CACHE_DTYPES, EngineArgs
 from paged_llm.layers.attention import ATTENTION_BACKENDS
 from paged_llm.layers.quantization.checkpoint_formats import resolve_quantization
+from paged_llm.logits_processors import LogitsProcessor, load_logits_processors
 from paged_llm.model_files.gguf_quantized import gguf_source
 from paged_llm.model_files.resolve import check_config_fields
 from paged_llm.platforms import Platform, get_platform
@@ -87,6 +88,41 @@ class SchedulerConfig:
     chunked_prefill: bool = True
 
 
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV cache, by the names of vLLM's ``CacheConfig``."""
+
+    block_size: int
+    enable_prefix_caching: bool
+    # The cache's element type, resolved (vLLM keeps the setting's name, "auto" or "fp8").
+    cache_dtype: torch.dtype
+    # Blocks of the allocated cache; None before the model runner has sized it.
+    num_gpu_blocks: int | None = None
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int
+    data_parallel_size: int
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    """The engine's settings in the sections of vLLM's ``VllmConfig``: what a custom
+    `LogitsProcessor` is built with (`EngineConfig.vllm_config`)."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device_config: DeviceConfig
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs, with defaults resolved.
@@ -117,10 +153,26 @@ class EngineConfig:
     quantization: str | None
     # Whether `quantization` covers the embedding and LM head too.
     quantize_embeddings: bool
+    model_config: ModelConfig
+    # The classes of the `logits_processors` setting, imported.
+    logits_processors: tuple[type[LogitsProcessor], ...]
 
     @property
     def device(self) -> torch.device:
         return self.platform.device
+
+    def vllm_config(self, num_gpu_blocks: int | None = None) -> VllmConfig:
+        """These settings as vLLM's ``VllmConfig``; ``num_gpu_blocks``: the KV cache's
+        blocks, once allocated."""
+        return VllmConfig(
+            model_config=self.model_config,
+            cache_config=CacheConfig(
+                self.block_size, self.enable_prefix_caching, self.kv_cache_dtype, num_gpu_blocks
+            ),
+            scheduler_config=self.scheduler,
+            parallel_config=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size),
+            device_config=DeviceConfig(self.device),
+        )
 
     @property
     def max_model_len(self) -> int:
@@ -164,6 +216,7 @@ class EngineConfig:
                 f"LLM argument quantization='gguf' keeps a .gguf file's weights quantized; "
                 f"{model_dir} was not made from one. Pass the .gguf file as the model."
             )
+        seed = secrets.randbits(63) if args.seed is None else args.seed
         resolved = {
             "model_dir": model_dir,
             "hf_config": hf_config,
@@ -174,8 +227,10 @@ class EngineConfig:
             "enable_prefix_caching": bool(args.enable_prefix_caching),
             "enforce_eager": bool(args.enforce_eager),
             "attention_backend": attention_backend,
-            "seed": secrets.randbits(63) if args.seed is None else args.seed,
+            "seed": seed,
             "quantization": resolve_quantization(args.quantization, hf_config),
+            "model_config": _model_config(args, model_dir, hf_config, dtype, seed, scheduler),
+            "logits_processors": load_logits_processors(args.logits_processors),
         }
         # The other fields are settings taken as given, under the same names.
         return cls(
@@ -186,6 +241,34 @@ class EngineConfig:
                 if setting.name not in resolved
             },
         )
+
+
+def _model_config(
+    args: EngineArgs,
+    model_dir: Path,
+    hf_config: Any,
+    dtype: torch.dtype,
+    seed: int,
+    scheduler: SchedulerConfig,
+) -> ModelConfig:
+    names = args.served_model_name
+    served = names[0] if isinstance(names, list) else names
+    return ModelConfig(
+        model=str(args.model),
+        tokenizer=str(args.tokenizer or model_dir),
+        tokenizer_mode=args.tokenizer_mode,
+        trust_remote_code=args.trust_remote_code,
+        dtype=dtype,
+        seed=seed,
+        revision=args.revision,
+        tokenizer_revision=args.tokenizer_revision,
+        max_model_len=scheduler.max_model_len,
+        max_logprobs=args.max_logprobs,
+        hf_config=hf_config,
+        served_model_name=served if served is not None else str(args.model),
+        generation_config=str(args.generation_config),
+        skip_tokenizer_init=args.skip_tokenizer_init,
+    )
 
 
 def _scheduler_config(args: EngineArgs, hf_config: Any, platform: Platform) -> SchedulerConfig:

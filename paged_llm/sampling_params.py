@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, overload
 
@@ -112,7 +113,14 @@ class SamplingParams:
             it; when max_tokens cuts it first it ends with "length" and its text may be
             incomplete. Logprobs are then those of the grammar-masked distribution.
         extra_args: Anything else the caller wants to carry with the request; paged_llm
-            does not read it (vLLM passes it to custom sampling plugins).
+            does not read it, custom logits processors do (``LLM(logits_processors=...)``).
+        logits_processors: vLLM 0's per-request logits processors: callables
+            ``fn(output_token_ids, logits_row)`` or ``fn(prompt_token_ids,
+            output_token_ids, logits_row)`` that return the row's float32 logits (changed
+            in place or new), applied in order to this request's rows only, before the
+            penalties (see docs/usage.md, "Custom logits processors"). With
+            ``data_parallel_size`` > 1 the params travel to a replica process, so the
+            callables must pickle (module-level functions, not lambdas or closures).
 
     Invalid values raise `VLLMValidationError` (a ValueError) naming the field.
     """
@@ -143,6 +151,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     extra_args: dict[str, Any] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    logits_processors: list[Callable[..., Any]] | None = None
 
     def __post_init__(self) -> None:
         self.verify()
@@ -267,6 +276,16 @@ class SamplingParams:
             )
 
         _check_structured_outputs(self.structured_outputs)
+        _check(
+            self.logits_processors is None
+            or (
+                isinstance(self.logits_processors, list)
+                and all(callable(fn) for fn in self.logits_processors)
+            ),
+            "logits_processors",
+            self.logits_processors,
+            "None or a list of callables fn(output_token_ids, logits_row) -> logits_row",
+        )
 
     def clone(self) -> SamplingParams:
         """A deep copy, to change without touching this one (vLLM's ``clone``)."""

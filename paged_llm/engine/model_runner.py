@@ -21,6 +21,7 @@ from paged_llm.config import EngineConfig
 from paged_llm.distributed.group import TensorParallelGroup
 from paged_llm.engine.batch import HostBatch, attention_metadata, build_host_batch, to_device
 from paged_llm.engine.cuda_graphs import DecodeGraphs
+from paged_llm.engine.persistent_batch import LogitsProcessors
 from paged_llm.engine.sampling_metadata import build_sampling_metadata
 from paged_llm.engine.scheduler import ScheduledBatch
 from paged_llm.engine.sequence import RawLogprobs, Sequence
@@ -183,6 +184,12 @@ class ModelRunner:
         self.kv_cache = torch.empty(0)
         self.decode_graphs: DecodeGraphs | None = None
         self._start_up()
+        # Custom logits processors, on rank 0 only: the other ranks never sample.
+        self.logits_processors = (
+            LogitsProcessors(config, self.num_blocks)
+            if config.logits_processors and self.tp.is_first
+            else None
+        )
 
     def _start_up(self) -> None:
         """The one start-up order, on every platform and rank: load the weights, check the
@@ -440,6 +447,11 @@ class ModelRunner:
             prompt_logprobs=self._score_prompts(scoring, logits_groups),
         )
         sampling_seqs = batch.sampling_seqs
+        processing = (
+            None
+            if self.logits_processors is None
+            else self.logits_processors.prepare(sampling_seqs)
+        )
         if sampling_logits is None:
             return output
         logits = sampling_logits.float()
@@ -457,6 +469,8 @@ class ModelRunner:
         metadata = build_sampling_metadata(
             sampling_seqs, logits.shape[-1], self.eos_token_ids, self.device, bitmask
         )
+        if processing is not None:
+            processing.add_to(metadata)
         sampled = self.sampler(logits, metadata)
         output.sampled_token_ids = sampled.token_ids.tolist()
         if sampled.no_token is not None:

@@ -1,17 +1,21 @@
 """Per-step sampling tensors, built from the sequences that draw a token this step.
 
 Common parameters become one tensor per field. Rare features (allowed tokens, bad words,
-logit bias, min_tokens) are applied by looping over only the rows that use them.
+logit bias, min_tokens, per-request logits processors) are applied by looping over only
+the rows that use them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from paged_llm.engine.batch import padded_array
 from paged_llm.engine.sequence import Sequence
-from paged_llm.layers.sampler import SamplingMetadata
+from paged_llm.layers.sampler import LogitsHook, SamplingMetadata
+from paged_llm.logits_processors import apply_to_rows, bind_request_logits_processor
 from paged_llm.structured_outputs.xgrammar_backend import only_stop_tokens_allowed
 
 
@@ -122,7 +126,25 @@ def build_sampling_metadata(
                 )
         metadata.logit_bias = bias
 
+    if any(p.logits_processors for p in params):
+        metadata.logits_processors = (_request_logits_processors(seqs),)
+
     requested = [p.logprobs for p in params if p.logprobs is not None]
     if requested:
         metadata.max_num_logprobs = -1 if -1 in requested else max(requested)
     return metadata
+
+
+def _request_logits_processors(seqs: list[Sequence]) -> LogitsHook:
+    """The `SamplingParams.logits_processors` of the rows that have them, applied in order
+    to those rows alone."""
+    rows: list[tuple[int, Callable[[torch.Tensor], torch.Tensor]]] = []
+    for row, seq in enumerate(seqs):
+        processors = seq.sampling_params.logits_processors
+        if processors:
+            output = seq.output_token_ids
+            rows.extend(
+                (row, bind_request_logits_processor(fn, seq.prompt_token_ids, output))
+                for fn in processors
+            )
+    return lambda logits: apply_to_rows(logits, rows)

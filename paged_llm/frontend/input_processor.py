@@ -6,7 +6,8 @@ Ray Data, lm-eval) comes through `InputProcessor.process`: it tokenizes text pro
 batched call, checks each prompt against the model (non-empty, within max_model_len, ids
 in the vocabulary) and each request's params against the engine (n within max_num_seqs,
 logprobs within max_logprobs, a tokenizer for stop strings and bad words, a grammar that
-parses), and tokenizes bad words. A new request field is validated here, once.
+parses, the custom logits processors' `validate_params`), and tokenizes bad words. A new
+request field is validated here, once.
 """
 
 from __future__ import annotations
@@ -208,6 +209,7 @@ class InputProcessor:
             )
         self._check_prompt(prompt.token_ids)
         self._check_sampling_params(params, len(prompt.token_ids))
+        self._check_logits_processors(params)
         bad_words_token_ids = self._bad_words_token_ids(params)
         self._check_allowed_token_ids(params, bad_words_token_ids)
         return EngineRequest(
@@ -288,6 +290,23 @@ class InputProcessor:
                 value=bad,
             )
         self._check_logprobs(params)
+
+    def _check_logits_processors(self, params: SamplingParams) -> None:
+        """Each custom logits processor's `validate_params`: what it raises refuses this
+        request, naming the processor."""
+        for processor in self.config.logits_processors:
+            try:
+                processor.validate_params(params)
+            except Exception as error:  # a user's check may raise anything
+                parameter = getattr(error, "parameter", None) or (
+                    "extra_args" if params.extra_args else "logits_processors"
+                )
+                raise RequestError(
+                    f"logits processor {processor.__name__} refused the request: "
+                    f"{type(error).__name__}: {error}",
+                    parameter=parameter,
+                    value=getattr(error, "value", None),
+                ) from error
 
     def _check_allowed_token_ids(
         self, params: SamplingParams, bad_words_token_ids: list[list[int]]

@@ -2,8 +2,9 @@
 
 The order follows vLLM: logprobs of the raw distribution (for structured outputs, of the
 logits the runner has already masked with the grammar's bitmask); then allowed / banned tokens and
-logit bias; then repetition, frequency and presence penalties; then either argmax
-(greedy rows) or temperature, min-p, top-k and top-p, and a draw.
+logit bias; then custom logits processors that may change the argmax; then repetition,
+frequency and presence penalties; then either argmax (greedy rows) or temperature, min-p,
+argmax-invariant custom processors, top-k and top-p, and a draw.
 
 A row whose masks (the grammar's, allowed and banned tokens) leave no token at all would
 draw from NaN: the sampler finds such rows in one check after the masks, gives them a
@@ -19,11 +20,15 @@ which needs one uniform per row instead of one per vocabulary entry.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 _MASK32 = 0xFFFFFFFF
+
+# A step of custom logits processing: the [B, V] logits in, processed (in place or not) out.
+LogitsHook = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -75,6 +80,11 @@ class SamplingMetadata:
     grammar_masked: bool = False
     # Most logprobs any row asked for (0: the sampled token only); None: no row asked.
     max_num_logprobs: int | None = None
+    # Custom logits processing, in order, on logits the sampler owns (see
+    # `paged_llm.logits_processors`): before the penalties, and on the random-sampling
+    # path after min-p (the argmax-invariant processors).
+    logits_processors: tuple[LogitsHook, ...] = ()
+    argmax_invariant_logits_processors: tuple[LogitsHook, ...] = ()
 
 
 @dataclass(slots=True)
@@ -123,6 +133,12 @@ class Sampler:
             # fill (a broadcast mask over [B, V] costs several softmaxes on CPU).
             if no_token.any():
                 constrained = constrained.masked_fill(no_token[:, None], 0.0)
+        if metadata.logits_processors:
+            # NOTE: processors may write in place, and ``logits`` stays raw for the logprobs.
+            if constrained is logits:
+                constrained = logits.clone()
+            for process in metadata.logits_processors:
+                constrained = process(constrained)
         token_ids = self._sample(constrained, metadata)
         logprobs = None
         num_top = metadata.max_num_logprobs
@@ -143,7 +159,10 @@ class Sampler:
             temperature = metadata.temperature
             is_random = temperature > 0
             logits = logits / torch.where(is_random, temperature, 1.0)[:, None]
-            logits = apply_filters(logits, metadata)
+            logits = apply_min_p(logits, metadata)
+            for process in metadata.argmax_invariant_logits_processors:
+                logits = process(logits)
+            logits = apply_top_k_top_p(logits, metadata)
             probs = torch.softmax(logits, dim=-1)
             uniforms = counter_uniform(metadata.seeds, metadata.counters)
             token_ids = torch.where(is_random, _inverse_cdf_sample(probs, uniforms), token_ids)
@@ -176,12 +195,17 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     return logits
 
 
-def apply_filters(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """min-p, then top-k, then top-p (over what top-k kept), on temperature-scaled logits."""
-    if metadata.min_p is not None:
-        probs = torch.softmax(logits, dim=-1)
-        threshold = metadata.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
+def apply_min_p(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """min-p, on temperature-scaled logits."""
+    if metadata.min_p is None:
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    threshold = metadata.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """top-k, then top-p (over what top-k kept), on temperature-scaled logits."""
     if metadata.top_k is None and metadata.top_p is None:
         return logits
     sorted_logits, order = logits.sort(dim=-1)  # ascending

@@ -55,11 +55,11 @@ def test_a_refused_request_carries_its_index_parameter_and_reason(
 
 
 def test_generate_raises_the_first_refused_requests_error_before_any_work(llm: LLM) -> None:
-    before = llm.get_metrics().num_requests
+    before = llm.get_engine_metrics().num_requests
     with pytest.raises(RequestError) as caught:
         llm.generate(["fine", {"prompt_token_ids": []}, ""], GREEDY, use_tqdm=False)
     assert (caught.value.index, caught.value.parameter) == (1, "prompt")
-    assert llm.get_metrics().num_requests == before
+    assert llm.get_engine_metrics().num_requests == before
 
 
 def test_a_beam_search_checks_its_prompts_and_its_params_once(llm: LLM) -> None:
