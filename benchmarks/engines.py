@@ -194,7 +194,7 @@ class PagedLLMEngine(Engine):
         return [list(o.outputs[0].token_ids) for o in outputs]
 
     def counters(self) -> dict[str, float]:
-        metrics = self.llm.get_metrics()
+        metrics = self.llm.get_engine_metrics()
         return {
             "prefix_cache_hit_tokens": metrics.prefix_cache_hit_tokens,
             "num_preemptions": metrics.num_preemptions,

@@ -104,7 +104,7 @@ def run(model_dir: Path, args: argparse.Namespace, way: str) -> ScoringRun:
                 assert entry is not None
                 total += entry[token].logprob
             scores.append(total)
-        return ScoringRun(way, seconds, llm.get_metrics().prefix_cache_hit_rate, scores)
+        return ScoringRun(way, seconds, llm.get_engine_metrics().prefix_cache_hit_rate, scores)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

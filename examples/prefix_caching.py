@@ -126,7 +126,7 @@ def main() -> None:
             started = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - started
-            metrics = llm.get_metrics()
+            metrics = llm.get_engine_metrics()
             num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
             print(
                 f"enable_prefix_caching={enabled!s:5}: {len(prompts)} requests, "

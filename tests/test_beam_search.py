@@ -187,7 +187,7 @@ def test_memory_pressure_and_batching_change_nothing(
         outputs = small.beam_search(PROMPTS, params)
         check_against_reference(small, outputs, params, hf_top)
         if "kv_cache_memory_bytes" in settings:
-            assert small.get_metrics().num_preemptions > 0
+            assert small.get_engine_metrics().num_preemptions > 0
         block_manager = small.engine.block_manager
         assert block_manager.num_free_blocks == block_manager.num_blocks
 
@@ -266,7 +266,7 @@ def test_bad_beam_search_params_name_the_field(fields: dict[str, object], messag
 def test_bad_beam_search_requests_are_refused_before_any_work(llm: LLM) -> None:
     params = BeamSearchParams(beam_width=2, max_tokens=4)
     too_long = {"prompt_token_ids": [5] * MAX_MODEL_LEN}
-    before = llm.get_metrics()
+    before = llm.get_engine_metrics()
     with pytest.raises(
         ValueError,
         match=rf"Request 1: the prompt has {MAX_MODEL_LEN} tokens, but max_model_len="
@@ -286,7 +286,7 @@ def test_bad_beam_search_requests_are_refused_before_any_work(llm: LLM) -> None:
     params.beam_width = 0  # changed after it was checked
     with pytest.raises(ValueError, match=r"BeamSearchParams.beam_width must be an integer >= 1"):
         llm.beam_search("fine", params)
-    assert llm.get_metrics().num_requests == before.num_requests
+    assert llm.get_engine_metrics().num_requests == before.num_requests
 
 
 def test_vllm_s_call_forms(llm: LLM, eos_model_dir: Path) -> None:
@@ -427,7 +427,7 @@ def test_constrained_beams_under_memory_pressure_change_nothing(
     settings = {"kv_cache_memory_bytes": 6 * 2048, "max_num_batched_tokens": 6}
     with LLM(eos_model_dir, max_model_len=24, block_size=4, **settings) as small:
         outputs = small.beam_search(PROMPTS, params)
-        assert small.get_metrics().num_preemptions > 0
+        assert small.get_engine_metrics().num_preemptions > 0
     assert [[s.tokens for s in o.sequences] for o in outputs] == expected
 
 
@@ -435,9 +435,9 @@ def test_an_invalid_beam_constraint_is_refused_before_any_work(llm: LLM) -> None
     params = BeamSearchParams(
         beam_width=2, max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(unclosed")
     )
-    before = llm.get_metrics()
+    before = llm.get_engine_metrics()
     with pytest.raises(ValueError, match=r"StructuredOutputsParams.regex is not valid"):
         llm.beam_search(PROMPTS, params)
     with pytest.raises(ValueError, match=r"BeamSearchParams.structured_outputs must be a Struct"):
         BeamSearchParams(beam_width=2, max_tokens=4, structured_outputs={"regex": "a"})  # type: ignore[arg-type]
-    assert llm.get_metrics().num_requests == before.num_requests
+    assert llm.get_engine_metrics().num_requests == before.num_requests

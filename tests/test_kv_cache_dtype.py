@@ -150,7 +150,7 @@ def test_the_same_memory_holds_2x_the_tokens_of_bfloat16_and_4x_of_float32_in_fp
                 max_model_len=256,
             ) as llm,
         ):
-            capacity[dtype, kv_cache_dtype] = llm.get_metrics().kv_cache_capacity_tokens
+            capacity[dtype, kv_cache_dtype] = llm.get_engine_metrics().kv_cache_capacity_tokens
     assert capacity == {
         ("float32", "auto"): 1024,
         ("bfloat16", "auto"): 2048,
@@ -171,7 +171,7 @@ def test_capacity_survives_since_and_kv_cache_dtype_names_are_checked(
     llama_dir: Path,
 ) -> None:
     with LLM(llama_dir, max_model_len=64, kv_cache_memory_bytes=2**19) as llm:
-        before = llm.get_metrics()
+        before = llm.get_engine_metrics()
         assert before.since(before).kv_cache_capacity_tokens == 1024
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_e4m3fn'.*'fp8_e5m2'"):
         LLM(llama_dir, kv_cache_dtype="fp8_e4m3fn")

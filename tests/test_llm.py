@@ -58,10 +58,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 def test_bad_requests_are_rejected_before_any_work(
     llm: LLM, prompts: list, params: object, message: str
 ) -> None:
-    before = llm.get_metrics().num_requests
+    before = llm.get_engine_metrics().num_requests
     with pytest.raises(ValueError, match=message):
         llm.generate(prompts, params, use_tqdm=False)
-    assert llm.get_metrics().num_requests == before
+    assert llm.get_engine_metrics().num_requests == before
     assert not llm.engine.has_unfinished()
 
 

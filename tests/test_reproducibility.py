@@ -74,7 +74,7 @@ def check_bit_identical_however_run(
         batched = _run(llm, everything)
         # The second run's prompts come from the prefix cache, and shorter prefills follow.
         assert _run(llm, everything) == batched
-        assert llm.get_metrics().prefix_cache_hit_tokens > 0
+        assert llm.get_engine_metrics().prefix_cache_hit_tokens > 0
         assert [_run(llm, [i])[0] for i in (1, 3)] == [batched[1], batched[3]]
     # Other companions in each step, 16-token prefill chunks, nothing cached, and a pool of
     # 24 blocks (16 tokens each) where six sequences of up to 108 tokens preempt each other.
@@ -84,7 +84,7 @@ def check_bit_identical_however_run(
         kv_cache_memory_bytes=24 * 16 * block_bytes,
     ) as constrained:
         assert _run(constrained, everything[::-1]) == batched[::-1]
-        assert constrained.get_metrics().num_preemptions > 0
+        assert constrained.get_engine_metrics().num_preemptions > 0
 
 
 def test_batch_invariance_is_validated(llama_dir: Path) -> None:

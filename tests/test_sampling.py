@@ -62,7 +62,7 @@ def test_seeded_request_ignores_batch_companions(llm: LLM, model_dir: Path) -> N
         max_num_batched_tokens=64,
     ) as small:
         assert _seeded_tokens(small, 3) == alone
-        assert small.get_metrics().num_preemptions > 0
+        assert small.get_engine_metrics().num_preemptions > 0
 
 
 def test_unseeded_requests_follow_the_llm_seed(model_dir: Path) -> None:

@@ -222,7 +222,7 @@ def test_forced_preemption_gives_the_same_constrained_tokens(model_dir: Path, ll
         model_dir, max_model_len=96, block_size=16, kv_cache_memory_bytes=7 * 16 * 512
     ) as small:
         preempted = small.generate(prompts, params, use_tqdm=False)
-        assert small.get_metrics().num_preemptions > 0
+        assert small.get_engine_metrics().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in preempted] == [o.outputs[0].token_ids for o in expected]
     _assert_valid(preempted, [check for _, check in CONSTRAINTS[:6]], min_share=0.5)
 
@@ -355,14 +355,14 @@ def test_json_object_and_grammar_constraints(llm: LLM) -> None:
 def test_an_invalid_constraint_fails_its_request_up_front(
     llm: LLM, constraint: StructuredOutputsParams, message: str
 ) -> None:
-    before = llm.get_metrics().num_requests
+    before = llm.get_engine_metrics().num_requests
     params = [
         SamplingParams(max_tokens=4),
         SamplingParams(max_tokens=4, structured_outputs=constraint),
     ]
     with pytest.raises(ValueError, match=message):
         llm.generate(PROMPTS[:2], params, use_tqdm=False)
-    assert llm.get_metrics().num_requests == before
+    assert llm.get_engine_metrics().num_requests == before
 
 
 def test_two_constraints_fail_naming_the_request(llm: LLM) -> None:

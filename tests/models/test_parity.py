@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from paged_llm import LLM, SamplingParams
-from paged_llm.engine.llm_engine import EngineMetrics
+from paged_llm.engine.core import EngineMetrics
 from paged_llm.outputs import RequestOutput
 from tests.conftest import TINY_MODELS, hf_greedy
 
@@ -109,7 +109,7 @@ def generate_greedy(
     """``MAX_TOKENS`` greedy tokens for each prompt, and the engine's counters after."""
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return outputs, llm.get_metrics()
+    return outputs, llm.get_engine_metrics()
 
 
 def check_scenario(

@@ -1,0 +1,1 @@
+"""Mirrors `vllm.v1.metrics`."""
