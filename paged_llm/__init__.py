@@ -2,6 +2,7 @@
 batching, behind vLLM's offline API."""
 
 from paged_llm.engine_args import EngineArgs
+from paged_llm.frontend.llm_engine import LLMEngine
 from paged_llm.inputs import TextPrompt, TokensPrompt
 from paged_llm.llm import LLM
 from paged_llm.outputs import (
@@ -14,6 +15,7 @@ from paged_llm.outputs import (
 )
 from paged_llm.sampling_params import BeamSearchParams, SamplingParams
 from paged_llm.structured_outputs import StructuredOutputsParams
+from paged_llm.vllm_names import refusal
 
 # As ``from vllm import LLM, SamplingParams, TokensPrompt`` (lm-eval's vLLM wrapper's import).
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "BeamSearchSequence",
     "CompletionOutput",
     "EngineArgs",
+    "LLMEngine",
     "Logprob",
     "RequestMetrics",
     "RequestOutput",
@@ -31,3 +34,8 @@ __all__ = [
     "TextPrompt",
     "TokensPrompt",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """vLLM's names that paged_llm does not reproduce fail with a message saying why."""
+    raise refusal("paged_llm", name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TypedDict
 
 
@@ -25,3 +26,15 @@ class TokensPrompt(_TokenIds, total=False):
 
 # What generate() takes for one prompt: text, or one of the dicts above.
 PromptType = str | TextPrompt | TokensPrompt
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's LoRA adapter request (``vllm.lora.request.LoRARequest``), with its field names.
+    paged_llm runs no LoRA adapters yet: `LLM.generate`, `LLM.chat` and
+    `LLMEngine.add_request` refuse one with a ValueError."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None

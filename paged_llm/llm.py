@@ -1,9 +1,9 @@
 """The public entry point: `LLM`, shaped like vLLM's offline `LLM` class.
 
-A facade: it reads the model (`ModelInfo`), resolves the settings (`EngineConfig`), builds
-the engine client (one engine, or data-parallel replicas) and delegates every call to the
-front end: the intake (`InputProcessor`), chat rendering (`ChatRenderer`) and the result
-stream (`GenerationStream`).
+A facade: it builds one `LLMEngine` (the model's files, the resolved settings, the intake
+and the engine client) and delegates every call to the front end: the intake
+(`InputProcessor`), chat rendering (`ChatRenderer`) and the result stream
+(`GenerationStream`).
 """
 
 from __future__ import annotations
@@ -11,48 +11,33 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from paged_llm.config import EngineConfig, ModelConfig
+from paged_llm.config import EngineConfig
+from paged_llm.engine.core import EngineMetrics
 from paged_llm.engine.detokenizer import decode
-from paged_llm.engine.llm_engine import EngineMetrics, LLMEngine
 from paged_llm.engine_args import EngineArgs
 from paged_llm.exceptions import ConversationError
 from paged_llm.frontend.chat import ChatRenderer
-from paged_llm.frontend.data_parallel import DataParallelEngine
-from paged_llm.frontend.engine_client import EngineClient, build_engine
+from paged_llm.frontend.engine_client import EngineClient
 from paged_llm.frontend.input_processor import (
     InputProcessor,
     RejectedRequest,
     params_per_prompt,
     prompt_list,
 )
+from paged_llm.frontend.llm_engine import LLMEngine, check_no_lora
 from paged_llm.frontend.model_info import ModelInfo
 from paged_llm.frontend.stream import GenerationLock, GenerationStream
-from paged_llm.inputs import PromptType, TokensPrompt
+from paged_llm.inputs import LoRARequest, PromptType, TokensPrompt
+from paged_llm.metrics import Metric
 from paged_llm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from paged_llm.sampling_params import BeamSearchParams, SamplingParams
-
-
-@dataclass
-class LLMEngineInfo:
-    """``llm.llm_engine`` for scripts written for vLLM: its ``model_config`` and
-    ``get_tokenizer()``. The engine that runs requests is `LLM.engine`."""
-
-    model_config: ModelConfig
-    tokenizer: PreTrainedTokenizerBase | None
-
-    def get_tokenizer(self) -> PreTrainedTokenizerBase:
-        if self.tokenizer is None:
-            raise ValueError(
-                "This LLM has no tokenizer: it was built with skip_tokenizer_init=True."
-            )
-        return self.tokenizer
+from paged_llm.vllm_names import refusal
 
 
 class LLM:
@@ -67,37 +52,32 @@ class LLM:
             accepted; those asking for a missing feature, and unknown names, raise
             ValueError naming the argument.
 
-    ``llm.llm_engine.model_config`` and ``llm.get_tokenizer()`` answer what scripts
-    written for vLLM ask of its LLM. One LLM runs one generation at a time: a call from a
-    second thread while another generates raises RuntimeError (give each thread its own
-    LLM).
+    ``llm.llm_engine`` is the `LLMEngine` it drives (vLLM's ``llm.llm_engine``, with its
+    ``model_config``, ``get_tokenizer()`` and step-by-step loop). One LLM runs one
+    generation at a time: a call from a second thread while another generates raises
+    RuntimeError (give each thread its own LLM).
     """
 
+    # The engine this LLM drives.
+    llm_engine: LLMEngine
+
     def __init__(self, model: str | Path, **kwargs: Any) -> None:
-        self.args = args = EngineArgs.from_kwargs(kwargs)
-        self.model_info = info = ModelInfo.load(model, args)
-        self.config = EngineConfig.create(info.model_dir, info.hf_config, args)
-        self.llm_engine = LLMEngineInfo(info.model_config(args, self.config), info.tokenizer)
-        self.processor = InputProcessor(info, self.config)
-        self.engine: EngineClient | None = self._engine_client()
+        self.llm_engine = LLMEngine(EngineArgs.from_kwargs({"model": model, **kwargs}))
+        self.args: EngineArgs = self.llm_engine.args
+        self.model_info: ModelInfo = self.llm_engine.model_info
+        self.config: EngineConfig = self.llm_engine.config
+        self.processor: InputProcessor = self.llm_engine.processor
         self._generation_lock = GenerationLock()
 
-    def _engine_client(self) -> EngineClient:
-        info, args, config = self.model_info, self.args, self.config
-        if args.data_parallel_size == 1:
-            return LLMEngine(config, info.tokenizer, info.eos_token_ids)
-        # NOTE: a replica loads the resolved directory, which has no revisions, and takes
-        # the seed drawn here for seed=None.
-        replica_args = replace(args, data_parallel_size=1, revision=None, seed=config.seed)
-        return DataParallelEngine(
-            functools.partial(build_engine, info.model_dir, replica_args),
-            num_replicas=args.data_parallel_size,
-            seed=config.seed,
-            block_size=config.block_size,
-            max_model_len=config.max_model_len,
-            tensor_parallel_size=args.tensor_parallel_size,
-            devices=config.platform.replica_devices(),
-        )
+    def __getattr__(self, name: str) -> Any:
+        """vLLM's `LLM` methods that paged_llm does not reproduce fail with a message
+        saying why (docs/vllm_compat.md)."""
+        raise refusal("LLM", name)
+
+    @property
+    def engine(self) -> EngineClient | None:
+        """The engine client that runs the requests; None after `shutdown`."""
+        return self.llm_engine.engine_core
 
     # ----- the model --------------------------------------------------------------------
 
@@ -141,14 +121,26 @@ class LLM:
     def shutdown(self) -> None:
         """Free the KV cache and the weights (with data parallelism: end the replica
         processes). The LLM cannot generate afterwards."""
-        if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None
+        self.llm_engine.shutdown()
 
     def _live_engine(self) -> EngineClient:
-        if self.engine is None:
-            raise RuntimeError("This LLM was shut down; create a new one to generate.")
-        return self.engine
+        return self.llm_engine.live_engine()
+
+    def _idle_engine(self) -> EngineClient:
+        """The engine, for a generation: it must hold no request of ``llm_engine``'s own."""
+        engine = self._live_engine()
+        if self.llm_engine.get_num_unfinished_requests():
+            raise RuntimeError(
+                "This LLM's llm_engine has requests queued with add_request that have not "
+                "finished: step them to the end or abort_request them before generating."
+            )
+        return engine
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (with data parallelism: in every replica), so later
+        prompts compute their KV cache anew. Returns False, forgetting nothing, while
+        requests are running."""
+        return self.llm_engine.reset_prefix_cache()
 
     # ----- generation ---------------------------------------------------------------
 
@@ -159,7 +151,7 @@ class LLM:
         use_tqdm: bool | Callable[..., tqdm] = True,
         on_error: str = "raise",
         *,
-        lora_request: None = None,
+        lora_request: LoRARequest | None = None,
         priority: list[int] | None = None,
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
@@ -205,7 +197,7 @@ class LLM:
         use_tqdm: bool | Callable[..., tqdm] = False,
         on_error: str = "raise",
         *,
-        lora_request: None = None,
+        lora_request: LoRARequest | None = None,
         priority: list[int] | None = None,
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> GenerationStream:
@@ -217,10 +209,10 @@ class LLM:
         `GenerationStream.results` yields a refused request's `RequestError` (its index,
         the parameter at fault and the reason) instead of an output.
         """
-        engine = self._live_engine()
+        engine = self._idle_engine()
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}.")
-        _check_no_lora(lora_request)
+        check_no_lora(lora_request)
         prompts_given = prompt_list(prompts)
         params = params_per_prompt(
             sampling_params, len(prompts_given), self.get_default_sampling_params()
@@ -243,7 +235,7 @@ class LLM:
         self,
         prompts: PromptType | SequenceABC[PromptType],
         params: BeamSearchParams,
-        lora_request: None = None,
+        lora_request: LoRARequest | None = None,
         use_tqdm: bool | Callable[..., tqdm] = False,
         concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
@@ -267,8 +259,8 @@ class LLM:
         Every request is validated before any work starts; a bad one raises a
         `RequestError` naming its index.
         """
-        engine = self._live_engine()
-        _check_no_lora(lora_request)
+        engine = self._idle_engine()
+        check_no_lora(lora_request)
         params = self.processor.check_beam_search(params)
         if concurrency_limit is not None and not (
             isinstance(concurrency_limit, int) and concurrency_limit >= 1
@@ -323,7 +315,7 @@ class LLM:
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        lora_request: None = None,
+        lora_request: LoRARequest | None = None,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
@@ -341,7 +333,7 @@ class LLM:
         ``{"enable_thinking": False}``) go to the template. A conversation that is
         malformed or that the template refuses raises ValueError naming it.
         """
-        _check_no_lora(lora_request)
+        check_no_lora(lora_request)
         if add_generation_prompt and continue_final_message:
             raise ValueError(
                 "add_generation_prompt and continue_final_message cannot both be True: a "
@@ -400,9 +392,15 @@ class LLM:
 
     # ----- introspection ----------------------------------------------------------------
 
-    def get_metrics(self) -> EngineMetrics:
-        """Engine counters: requests, tokens, preemptions, prefix-cache hits (summed over
-        data-parallel replicas)."""
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's metrics now (``vllm.v1.metrics.reader`` values): see
+        `LLMEngine.get_metrics`."""
+        return self.llm_engine.get_metrics()
+
+    def get_engine_metrics(self) -> EngineMetrics:
+        """paged_llm's engine counters: requests, tokens, preemptions, prefix-cache hits,
+        steps, KV cache capacity (summed over data-parallel replicas); `EngineMetrics.since`
+        gives the counts of one run."""
         return self._live_engine().get_metrics()
 
 
@@ -415,11 +413,3 @@ def _raise_first_error(requests: list[Any]) -> None:
     for request in requests:
         if isinstance(request, RejectedRequest):
             raise request.error
-
-
-def _check_no_lora(lora_request: object) -> None:
-    if lora_request is not None:
-        raise ValueError(
-            "lora_request is not supported: paged_llm has no LoRA adapters (see enable_lora); "
-            "merge the adapter into the weights and load that model, or pass None."
-        )

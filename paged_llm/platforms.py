@@ -10,6 +10,7 @@ GPU platform there to run the GPU start-up on a CPU.
 from __future__ import annotations
 
 import enum
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,6 +78,35 @@ class Platform:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.device})"
+
+    # ----- vLLM's names, for scripts that ask `current_platform` --------------------------
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def is_cuda_alike(self) -> bool:
+        return self.is_cuda()
+
+    def is_cpu(self) -> bool:
+        return self.device.type == "cpu"
+
+    def is_rocm(self) -> bool:
+        return False
+
+    def is_tpu(self) -> bool:
+        return False
+
+    def is_xpu(self) -> bool:
+        return False
+
+    def get_device_name(self, device_id: int = 0) -> str:
+        if self.is_cuda():
+            return torch.cuda.get_device_name(device_id)
+        return "cpu"
 
     def device_count(self) -> int | None:
         """Devices of this kind that ranks can use; None: no limit (processes share one)."""
@@ -284,6 +314,20 @@ class CudaPlatform(Platform):
         if visible is None:
             return [str(index) for index in range(torch.cuda.device_count())]
         return [device.strip() for device in visible.split(",") if device.strip()]
+
+
+@functools.cache
+def _current_platform() -> Platform:
+    return get_platform("auto")
+
+
+def __getattr__(name: str) -> Platform:
+    """``current_platform`` (vLLM's ``vllm.platforms.current_platform``): the platform
+    ``device="auto"`` picks on this machine, resolved on first use. The engine never reads it:
+    each engine gets its platform from its own ``device`` argument."""
+    if name == "current_platform":
+        return _current_platform()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_platform(device: str | torch.device | Platform) -> Platform:

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 
 from paged_llm import LLM, RequestOutput, SamplingParams
 from paged_llm.engine.block_manager import BlockManager
-from paged_llm.engine.llm_engine import LLMEngine
+from paged_llm.engine.core import EngineCore
 from tests.engine.helpers import Interrupter, assert_pool_consistent
 
 MAX_MODEL_LEN = 128
@@ -153,7 +153,7 @@ def test_two_threads_generating_never_corrupt_each_other(llm: LLM) -> None:
     assert all("another thread is generating with it" in str(e) for e in refused)
     assert _engine_is_idle(llm)
     engine = llm.engine
-    assert isinstance(engine, LLMEngine)
+    assert isinstance(engine, EngineCore)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert len(llm.generate(_prompts(2), GREEDY, use_tqdm=False)) == 2
 
@@ -357,7 +357,7 @@ def test_random_interleavings_of_streams_left_early_and_interrupts_leave_the_eng
 ) -> None:
     llm = crowded_llm
     engine = llm.engine
-    assert isinstance(engine, LLMEngine)
+    assert isinstance(engine, EngineCore)
 
     def generate() -> list[RequestOutput]:
         return llm.generate(INTERLEAVED_PROMPTS, INTERLEAVED_PARAMS, use_tqdm=False)

@@ -15,9 +15,9 @@ import torch
 
 import paged_llm
 import paged_llm.frontend.model_info as model_info_module
-import paged_llm.llm as llm_module
 from paged_llm import LLM, SamplingParams
 from paged_llm.cli import build_parser
+from paged_llm.engine.core import EngineCore
 from paged_llm.engine_args import EngineArgs
 from paged_llm.exceptions import VLLMValidationError
 from paged_llm.inputs import TextPrompt, TokensPrompt
@@ -139,7 +139,10 @@ def test_seed_none_the_uni_backend_and_a_revision_with_a_local_path_run(
             {"quantization": "awq"},
             r"quantization='awq' loads a pre-quantized checkpoint.*no quantization_config",
         ),
-        ({"logits_processors": [lambda ids, logits: logits]}, r"logits_processors=.*callables"),
+        (
+            {"logits_processors": [lambda ids, logits: logits]},
+            r"logits_processors must be a list of LogitsProcessor subclasses.*per-request",
+        ),
         ({"distributed_executor_backend": "ray"}, r"distributed_executor_backend='ray'.*ray"),
         ({"pipeline_parallel_size": 2}, r"pipeline_parallel_size=2 .*tensor_parallel_size"),
         ({"pipeline_parallel_size": True}, r"pipeline_parallel_size=True is not supported"),
@@ -181,7 +184,7 @@ def test_the_clis_engine_flags_are_generated_from_engine_args() -> None:
     flags = "--kv-cache-memory 2GiB --no-prefix-caching --trust-remote-code --max-model-len 64"
     flags += " --no-enable-chunked-prefill --gpu-memory-utilization 0.5"
     args = parser.parse_args(["generate", "-i", "in.jsonl", "-o", "out.jsonl", *flags.split()])
-    assert EngineArgs.cli_kwargs(args) == {
+    assert EngineArgs.from_cli_args(args).to_kwargs(changed_only=True) == {
         "kv_cache_memory_bytes": 2 * 2**30,
         "enable_prefix_caching": False,
         "trust_remote_code": True,
@@ -189,8 +192,9 @@ def test_the_clis_engine_flags_are_generated_from_engine_args() -> None:
         "enable_chunked_prefill": False,
         "gpu_memory_utilization": 0.5,
     }
-    # Unset flags pass nothing, so LLM keeps its own defaults.
-    assert EngineArgs.cli_kwargs(parser.parse_args(["generate", "-i", "a", "-o", "b"])) == {}
+    # Unset flags keep the fields' defaults.
+    unset = parser.parse_args(["generate", "-i", "a", "-o", "b"])
+    assert EngineArgs.from_cli_args(unset) == EngineArgs()
 
 
 def test_trust_remote_code_and_tokenizer_mode_reach_transformers(
@@ -271,7 +275,7 @@ def test_served_model_name_is_reported_by_the_model_config(
 def test_enable_chunked_prefill_false_schedules_prompts_whole(
     tuned: LLM, llm: LLM, model_dir: Path
 ) -> None:
-    assert isinstance(tuned.engine, llm_module.LLMEngine)
+    assert isinstance(tuned.engine, EngineCore)
     assert tuned.engine.scheduler.config.chunked_prefill is False
     assert tuned.config.scheduler.max_num_batched_tokens >= tuned.config.max_model_len
     assert _greedy_ids(tuned, "Hello there") == _greedy_ids(llm, "Hello there")

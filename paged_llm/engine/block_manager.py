@@ -263,6 +263,16 @@ class BlockManager:
         seq.block_table.clear()
         self._num_registered_blocks.pop(seq.seq_id, None)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, so later prompts compute their KV anew; False (and
+        nothing forgotten) while a sequence holds blocks, whose hashes it still uses."""
+        if self.num_free_blocks < self.num_blocks:
+            return False
+        for block in self.cached_blocks.values():
+            block.block_hash = None
+        self.cached_blocks.clear()
+        return True
+
     def reset(self) -> None:
         """Return every block to the pool, once no sequence holds any (`Scheduler.abort_all`).
 

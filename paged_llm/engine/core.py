@@ -1,4 +1,4 @@
-"""The engine loop: requests in, one scheduled step at a time, finished sequences out."""
+"""The engine core: requests in, one scheduled step at a time, finished sequences out."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from paged_llm.engine.output_processor import OutputProcessor
 from paged_llm.engine.request import EngineRequest
 from paged_llm.engine.scheduler import ScheduledBatch, Scheduler
 from paged_llm.engine.sequence import FinishReason, Request, Sequence
+from paged_llm.engine.stats import EngineStats
+from paged_llm.metrics import Metric
 from paged_llm.outputs import RequestOutput
 from paged_llm.sampling_params import BeamSearchParams
 from paged_llm.seeds import derive_seed, request_seed
@@ -55,7 +57,10 @@ class EngineMetrics:
         return replace(counts, kv_cache_capacity_tokens=self.kv_cache_capacity_tokens)
 
 
-class LLMEngine:
+class EngineCore:
+    """The engine loop in this process: the scheduler, the block manager and the executor
+    (rank 0 of the tensor-parallel ranks); validated requests in, finished outputs out."""
+
     def __init__(
         self,
         config: EngineConfig,
@@ -79,10 +84,13 @@ class LLMEngine:
         )
         self._seq_ids = itertools.count()
         self.beam_searcher = BeamSearcher(self.scheduler, eos_token_ids, self._seq_ids)
+        # request_id -> the state of each request not yet reported finished.
+        self._unfinished: dict[str, Request] = {}
         self._num_requests = 0
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
         self._num_steps = 0
+        self.stats = EngineStats(self.scheduler, config.max_model_len)
 
     @property
     def model_runner(self) -> ModelRunner:
@@ -107,9 +115,11 @@ class LLMEngine:
             grammar = self.grammar_compiler.compile(params.structured_outputs)
         arrival_seed = request_seed(self.config.seed, serial)
         if isinstance(params, BeamSearchParams):
-            return self.beam_searcher.add_request(
+            searched = self.beam_searcher.add_request(
                 request, arrival_seed, None if grammar is None else SequenceGrammar(grammar)
             )
+            self._unfinished[request.request_id] = searched
+            return searched
         base_seed = params.seed if params.seed is not None else arrival_seed
         state = Request(
             request.request_id,
@@ -132,6 +142,7 @@ class LLMEngine:
         parent = state.seqs[0]
         parent.pending_forks = state.seqs[1:]
         self.scheduler.add(parent)
+        self._unfinished[request.request_id] = state
         return state
 
     def has_unfinished(self) -> bool:
@@ -151,6 +162,7 @@ class LLMEngine:
             seq.request.prompt_logprobs.extend(output.prompt_logprobs.get(seq.seq_id, ()))
         failed = self._fail_requests_without_token(batch, output) if output.no_token_rows else []
         sampling_seqs = batch.sampling_seqs
+        self.stats.record_step(sampling_seqs, time.time())
         finished = self.scheduler.update(batch, output.sampled_token_ids)
         self._num_generated_tokens += len(sampling_seqs)
         if output.logprobs is not None:
@@ -169,7 +181,7 @@ class LLMEngine:
             else:
                 self.scheduler.stop_at_string(seq, stop_str)
                 finished.append(seq)
-        return (
+        outputs = (
             [
                 self.output_processor.make_output(request)
                 for request in _unique_requests(finished)
@@ -181,6 +193,10 @@ class LLMEngine:
             ]
             + failed
         )
+        for request_output in outputs:
+            request = self._unfinished.pop(request_output.request_id)
+            self.stats.record_finished(request, request_output)
+        return outputs
 
     def _fail_requests_without_token(
         self, batch: ScheduledBatch, output: StepOutput
@@ -210,6 +226,23 @@ class LLMEngine:
         self.scheduler.abort_all()
         self.beam_searcher.abort_all()
         self.output_processor.reset()
+        self._unfinished.clear()
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Drop these requests (ids of finished or unknown requests are ignored) and release
+        their blocks; they report no output."""
+        for request_id in request_ids:
+            request = self._unfinished.pop(request_id, None)
+            if request is None:
+                continue
+            self.scheduler.abort_request(request)
+            self.beam_searcher.abort(request_id)
+            self.output_processor.forget(request.seqs)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False while requests hold blocks (see
+        `BlockManager.reset_prefix_cache`)."""
+        return self.block_manager.reset_prefix_cache()
 
     def get_metrics(self) -> EngineMetrics:
         return EngineMetrics(
@@ -223,6 +256,10 @@ class LLMEngine:
             collective_seconds=self.model_runner.tp.collective_seconds,
             kv_cache_capacity_tokens=self.model_runner.kv_cache_capacity_tokens,
         )
+
+    def get_stat_metrics(self, model_name: str) -> list[Metric]:
+        """vLLM's metrics of this engine (`EngineStats.metrics`), labelled ``engine="0"``."""
+        return self.stats.metrics(model_name)
 
     def shutdown(self) -> None:
         if self.grammar_compiler is not None:

@@ -26,6 +26,12 @@ class OutputProcessor:
         self._detokenizers.clear()
         self._stopped_texts.clear()
 
+    def forget(self, seqs: list[Sequence]) -> None:
+        """Forget the per-sequence state of these aborted sequences."""
+        for seq in seqs:
+            self._detokenizers.pop(seq.seq_id, None)
+            self._stopped_texts.pop(seq.seq_id, None)
+
     def find_stop_string(self, seq: Sequence) -> str | None:
         """Detokenize the sequence's newest token; return a stop string it completes.
 

@@ -1,7 +1,7 @@
 """Data parallelism in one call: engine replicas in their own processes, fed by one `LLM`.
 
 The `LLM` in the user's process keeps tokenization, validation and ordering, and drives a
-`DataParallelEngine` the way it drives an `LLMEngine` (add_request, step, abort_all,
+`DataParallelEngine` the way it drives an `EngineCore` (add_request, step, abort_all,
 get_metrics). The data-parallel engine loads no weights: it spreads the requests of a
 generation over its replicas (`assign_replicas`), each of which runs them through its own
 engine in one continuous batch and sends back each finished `RequestOutput`.
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from paged_llm.distributed.supervisor import Child, Supervisor, UnguardedScriptError, wait
-from paged_llm.engine.llm_engine import EngineMetrics
+from paged_llm.engine.core import EngineMetrics
 from paged_llm.engine.request import EngineRequest
 from paged_llm.frontend.engine_client import EngineClient, RequestsLostError
 from paged_llm.frontend.replica_assignment import (
@@ -47,6 +47,7 @@ from paged_llm.frontend.replica_assignment import (
     request_cost,
     resolve_seed,
 )
+from paged_llm.metrics import Metric
 from paged_llm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -124,7 +125,13 @@ def _serve(engine: EngineClient, inbox: queue.Queue[tuple[str, Any]], results: C
                 for sent in payload:
                     engine.add_request(sent.request)
             elif command == "abort":
-                engine.abort_all()
+                if payload is None:
+                    engine.abort_all()
+                else:
+                    engine.abort_requests(payload)
+            elif command == "call":
+                method, args = payload
+                results.send(("reply", getattr(engine, method)(*args)))
             elif command == "metrics":
                 results.send(("metrics", engine.get_metrics()))
         if engine.has_unfinished():
@@ -143,6 +150,9 @@ class _Replica:
     child: Child
     metrics: EngineMetrics | None = None  # the last reported; kept after the replica ends
     metrics_pending: bool = False
+    # The answer to the last "call" command, once `reply_pending` is False.
+    reply: Any = None
+    reply_pending: bool = False
     outstanding: dict[str, ReplicaRequest] = field(default_factory=dict)
 
     @property
@@ -155,7 +165,7 @@ class _Replica:
 
 
 class DataParallelEngine:
-    """``num_replicas`` engines in their own processes, driven like one `LLMEngine`.
+    """``num_replicas`` engines in their own processes, driven like one `EngineCore`.
 
     ``engine_factory`` builds one replica's engine inside its process (it is pickled: a
     module-level function or a `functools.partial` of one). Each replica runs on its own
@@ -287,6 +297,33 @@ class DataParallelEngine:
                 replica.outstanding.clear()
                 replica.child.send(("abort", None))
 
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Drop these requests wherever they are; later outputs of them are ignored."""
+        dropped = set(request_ids)
+        self._pending = [sent for sent in self._pending if sent.request_id not in dropped]
+        self._finished = [output for output in self._finished if output.request_id not in dropped]
+        for replica in self._replicas:
+            mine = [request_id for request_id in request_ids if request_id in replica.outstanding]
+            for request_id in mine:
+                del replica.outstanding[request_id]
+            if mine and replica.alive:
+                replica.child.send(("abort", mine))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every replica's cached prefixes; False where a replica still runs
+        requests."""
+        return all(self._call_replicas("reset_prefix_cache").values())
+
+    def _call_replicas(self, method: str, *args: Any) -> dict[int, Any]:
+        """Call the engine method ``method`` in every live replica; their answers, by rank."""
+        live = [replica for replica in self._replicas if replica.alive]
+        for replica in live:
+            replica.reply_pending = True
+            replica.child.send(("call", (method, args)))
+        while any(replica.alive and replica.reply_pending for replica in live):
+            self._wait_for_events()
+        return {replica.rank: replica.reply for replica in live if not replica.reply_pending}
+
     def get_metrics(self) -> EngineMetrics:
         """The replicas' counters, summed; a replica that ended counts with its last report.
         A request that ran again after its replica died counts on both."""
@@ -298,6 +335,15 @@ class DataParallelEngine:
             self._wait_for_events()
         reports = [astuple(r.metrics) for r in self._replicas if r.metrics is not None]
         return EngineMetrics(*(sum(column) for column in zip(*reports, strict=True)))
+
+    def get_stat_metrics(self, model_name: str) -> list[Metric]:
+        """vLLM's metrics of every live replica, labelled ``engine`` with its rank: one
+        series per name and replica, grouped by name as vLLM lists its engines'."""
+        per_replica = [
+            [replace(metric, labels={**metric.labels, "engine": str(rank)}) for metric in metrics]
+            for rank, metrics in self._call_replicas("get_stat_metrics", model_name).items()
+        ]
+        return [metric for series in zip(*per_replica, strict=True) for metric in series]
 
     def shutdown(self) -> None:
         """End every replica process: ask, then terminate, then kill; join them all."""
@@ -347,6 +393,9 @@ class DataParallelEngine:
             elif kind in ("ready", "metrics"):
                 replica.metrics = payload
                 replica.metrics_pending = False
+            elif kind == "reply":
+                replica.reply = payload
+                replica.reply_pending = False
         if not replica.alive:
             self._lose(replica)
 

@@ -26,7 +26,7 @@ def request_cost(
 def resolve_seed(
     params: SamplingParams | BeamSearchParams, engine_seed: int, serial: int
 ) -> SamplingParams | BeamSearchParams:
-    """``params`` with the base seed that a single `LLMEngine` seeded ``engine_seed`` draws
+    """``params`` with the base seed that a single `EngineCore` seeded ``engine_seed`` draws
     for its arrival number ``serial`` (`request_seed`), when the request has no seed of its
     own. Fixed by the front, it makes a request's tokens independent of which replica runs
     it and of that replica's own arrival count."""

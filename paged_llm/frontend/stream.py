@@ -11,7 +11,7 @@ from collections.abc import Callable, Generator, Iterator
 
 from tqdm.auto import tqdm
 
-from paged_llm.engine.llm_engine import EngineMetrics
+from paged_llm.engine.core import EngineMetrics
 from paged_llm.engine.request import EngineRequest
 from paged_llm.exceptions import RequestError
 from paged_llm.frontend.engine_client import EngineClient, RequestsLostError

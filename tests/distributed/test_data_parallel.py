@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import gc
 import io
+import itertools
 import logging
 import os
 import re
@@ -20,10 +21,11 @@ import pytest
 from tqdm import tqdm
 
 from paged_llm import LLM, BeamSearchParams, RequestOutput, SamplingParams
-from paged_llm.engine.llm_engine import LLMEngine
+from paged_llm.engine.core import EngineCore
 from paged_llm.engine.request import EngineRequest
 from paged_llm.frontend.data_parallel import DataParallelEngine
 from paged_llm.frontend.replica_assignment import resolve_seed
+from paged_llm.metrics import Counter
 from tests.conftest import TINY_MODELS
 from tests.distributed.processes import child_pids
 from tests.models.test_parity import (
@@ -64,7 +66,7 @@ def test_front_seeds_give_each_sequence_the_seed_a_single_engine_draws(
 ) -> None:
     with LLM(llama_dir, max_model_len=64) as llm:
         engine = llm.engine
-        assert isinstance(engine, LLMEngine)
+        assert isinstance(engine, EngineCore)
         params = SamplingParams(n=3, temperature=0.8)
         for attempt in range(3):
             # An unseeded arrival at a single engine ...
@@ -148,7 +150,7 @@ def test_stream_progress_metrics_and_a_second_generation(dp_llm: LLM) -> None:
     def progress_bar(**kwargs: object) -> tqdm:
         return tqdm(**kwargs, file=captured, mininterval=0)
 
-    before = dp_llm.get_metrics()
+    before = dp_llm.get_engine_metrics()
     stream = dp_llm.generate_stream(prompts, greedy_params(lengths), use_tqdm=progress_bar)
     iterator = iter(stream)
     streamed = [next(iterator)]
@@ -159,10 +161,38 @@ def test_stream_progress_metrics_and_a_second_generation(dp_llm: LLM) -> None:
     for index, output in streamed:
         assert len(output.outputs[0].token_ids) == lengths[index]
     assert f"{len(prompts)}/{len(prompts)}" in captured.getvalue()
-    run = dp_llm.get_metrics().since(before)
+    run = dp_llm.get_engine_metrics().since(before)
     assert run.num_requests == len(prompts)
     assert run.num_generated_tokens == sum(lengths)
     assert run.num_prompt_tokens == 3 * len(prompts)
+
+
+def test_get_metrics_gives_one_series_per_replica(dp_llm: LLM) -> None:
+    """vLLM's metrics of each replica, labelled with its rank, add up to the run's tokens."""
+
+    def totals(name: str, reason: str | None = None) -> dict[str, int]:
+        return {
+            metric.labels["engine"]: metric.value
+            for metric in dp_llm.get_metrics()
+            if isinstance(metric, Counter)
+            and metric.name == name
+            and metric.labels.get("finished_reason") == reason
+        }
+
+    before = [totals("vllm:prompt_tokens"), totals("vllm:request_success", "length")]
+    prompts = [{"prompt_token_ids": [700 + 10 * i + j for j in range(5)]} for i in range(6)]
+    dp_llm.generate(prompts, greedy_params([3] * len(prompts)), use_tqdm=False)
+    after = [totals("vllm:prompt_tokens"), totals("vllm:request_success", "length")]
+    assert [sorted(counts) for counts in after] == [["0", "1"], ["0", "1"]]
+    assert sum(after[0].values()) - sum(before[0].values()) == 5 * len(prompts)
+    assert sum(after[1].values()) - sum(before[1].values()) == len(prompts)
+    metrics = dp_llm.get_metrics()
+    names = [metric.name for metric in metrics]
+    # Grouped by name, the replicas in rank order within each name.
+    assert [metric.labels["engine"] for metric in metrics] == ["0", "1"] * (len(metrics) // 2)
+    assert len([name for name, _ in itertools.groupby(names)]) == len(set(names))
+    model_name = dp_llm.llm_engine.model_config.served_model_name
+    assert {metric.labels["model_name"] for metric in metrics} == {model_name}
 
 
 def test_beam_search_matches_one_replica(dp_llm: LLM, llama_dir: Path) -> None:
@@ -262,11 +292,11 @@ def test_a_killed_replica_s_requests_finish_on_the_others_until_none_is_left(
             llm.generate("anyone?", use_tqdm=False)
 
 
-def _engine_that_fails_once(model_dir: Path, claim: Path) -> LLMEngine:
+def _engine_that_fails_once(model_dir: Path, claim: Path) -> EngineCore:
     """A replica engine whose step, once it has finished something, raises in the first
     process to claim the file ``claim``."""
     engine = LLM(model_dir, max_model_len=MAX_MODEL_LEN).engine
-    assert isinstance(engine, LLMEngine)
+    assert isinstance(engine, EngineCore)
     step = engine.step
 
     def failing_step() -> list[RequestOutput]:
@@ -339,3 +369,25 @@ def test_structured_outputs_compile_in_the_replicas_and_match_one_process(
     ]
     for output, (_, check) in zip(outputs, chosen, strict=True):
         assert all(check(c.text) for c in output.outputs if c.finish_reason == "stop")
+
+
+def test_the_llm_engine_loop_aborts_and_resets_the_prefix_cache_in_every_replica(
+    dp_llm: LLM,
+) -> None:
+    engine = dp_llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = {name: f"Tell me all about {name}, please. " * 4 for name in ("kept", "dropped")}
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, params)
+    engine.abort_request("dropped")
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += engine.step()
+    assert [output.request_id for output in finished] == ["kept"]
+    # Both replicas run the prompt now, so each caches it.
+    repeats = dp_llm.generate([prompts["kept"]] * 4, params, use_tqdm=False)
+    assert [r.outputs[0].token_ids for r in repeats] == [finished[0].outputs[0].token_ids] * 4
+    assert dp_llm.generate(prompts["kept"], params, use_tqdm=False)[0].num_cached_tokens > 0
+    assert dp_llm.reset_prefix_cache() is True
+    again = dp_llm.generate(prompts["kept"], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0

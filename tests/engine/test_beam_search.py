@@ -46,7 +46,7 @@ def fake_top(sequences: list[list[int]], count: int) -> list[list[tuple[int, flo
 
 
 class Engine:
-    """The scheduler and beam searcher, stepped as `LLMEngine.step` does, with the rows the
+    """The scheduler and beam searcher, stepped as `EngineCore.step` does, with the rows the
     model runner would return for greedy logprobs: the argmax first, then the top tokens."""
 
     def __init__(

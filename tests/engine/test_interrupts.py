@@ -37,7 +37,7 @@ _ids = itertools.count()
 
 
 def make_request(prompt_token_ids: list[int], n: int = 1, max_tokens: int = 4) -> Sequence:
-    """The parent sequence of a request with ``n`` sequences, as `LLMEngine` builds it."""
+    """The parent sequence of a request with ``n`` sequences, as `EngineCore` builds it."""
     params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True)
     request = Request(str(next(_ids)), None, list(prompt_token_ids), params, 0.0)
     request.seqs = [Sequence(next(_ids), request, seed=0, index=i) for i in range(n)]

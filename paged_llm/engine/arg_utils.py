@@ -1,0 +1,5 @@
+"""Mirrors `vllm.engine.arg_utils`."""
+
+from paged_llm.engine_args import EngineArgs
+
+__all__ = ["EngineArgs"]

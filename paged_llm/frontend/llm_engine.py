@@ -1,0 +1,211 @@
+"""`LLMEngine`: vLLM's offline engine loop, and the engine every `LLM` drives.
+
+It holds what one model's requests pass through: the model's files (`ModelInfo`), the
+resolved settings (`EngineConfig`), the intake (`InputProcessor`) and the engine client
+that runs requests (one engine in this process, with or without tensor-parallel workers,
+or data-parallel replicas). `LLM` builds one and drives it whole batches at a time; a
+script written for vLLM's ``LLMEngine`` drives it one step at a time::
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=...))
+    engine.add_request("0", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            ...
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from paged_llm.config import EngineConfig, ModelConfig
+from paged_llm.engine.core import EngineCore
+from paged_llm.engine_args import EngineArgs
+from paged_llm.frontend.data_parallel import DataParallelEngine
+from paged_llm.frontend.engine_client import EngineClient, build_engine
+from paged_llm.frontend.input_processor import InputProcessor, RejectedRequest
+from paged_llm.frontend.model_info import ModelInfo
+from paged_llm.inputs import LoRARequest, PromptType
+from paged_llm.metrics import Metric
+from paged_llm.outputs import RequestOutput
+from paged_llm.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    """One model's engine, as vLLM's ``LLMEngine``: `add_request`, `step`,
+    `has_unfinished_requests`, `abort_request`.
+
+    `step` returns the outputs of the requests that finished during it, each once (vLLM's
+    ``RequestOutputKind.FINAL_ONLY``); a request's output is the one `LLM.generate` gives for
+    the same prompt and params.
+    """
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.model_info = info = ModelInfo.load(args)
+        self.config = EngineConfig.create(info.model_dir, info.hf_config, args)
+        self.model_config: ModelConfig = self.config.model_config
+        self.processor = InputProcessor(info, self.config)
+        self.engine_core: EngineClient | None = self._engine_client()
+        # Ids of the requests `add_request` queued that have not been reported finished.
+        self._unfinished: set[str] = set()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **_vllm_options: Any) -> LLMEngine:
+        """The engine of ``engine_args``. vLLM's other keyword arguments (usage context,
+        stat loggers, multiprocessing) choose machinery paged_llm does not have and are
+        accepted without effect."""
+        return cls(engine_args)
+
+    def _engine_client(self) -> EngineClient:
+        info, args, config = self.model_info, self.args, self.config
+        if args.data_parallel_size == 1:
+            return EngineCore(config, info.tokenizer, info.eos_token_ids)
+        # NOTE: a replica loads the resolved directory, which has no revisions, and takes
+        # the seed drawn here for seed=None.
+        replica_args = replace(
+            args, model=info.model_dir, data_parallel_size=1, revision=None, seed=config.seed
+        )
+        return DataParallelEngine(
+            functools.partial(build_engine, replica_args),
+            num_replicas=args.data_parallel_size,
+            seed=config.seed,
+            block_size=config.block_size,
+            max_model_len=config.max_model_len,
+            tensor_parallel_size=args.tensor_parallel_size,
+            devices=config.platform.replica_devices(),
+        )
+
+    def live_engine(self) -> EngineClient:
+        """The engine client; RuntimeError once `shutdown` has run."""
+        if self.engine_core is None:
+            raise RuntimeError("This engine was shut down; create a new one to generate.")
+        return self.engine_core
+
+    # ----- vLLM's offline loop ----------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        trace_headers: Mapping[str, str] | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Validate one request and queue it; the next `step` runs it.
+
+        Raises a `RequestError` (a ValueError) for a request the engine cannot run (the
+        same checks as `LLM.generate`), and ValueError for an ``request_id`` that is still
+        unfinished. ``arrival_time`` and ``trace_headers`` are accepted for vLLM's
+        signature and not used; ``lora_request`` must be None.
+        """
+        engine = self.live_engine()
+        check_no_lora(lora_request)
+        if arrival_time is not None and not isinstance(arrival_time, (int, float)):
+            raise ValueError(f"arrival_time must be a number of seconds, got {arrival_time!r}.")
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str, got {request_id!r}.")
+        if request_id in self._unfinished:
+            raise ValueError(
+                f"Request id {request_id!r} is already running; give each request its own id."
+            )
+        if not isinstance(params, SamplingParams):
+            raise ValueError(
+                f"params must be a SamplingParams, got {type(params).__name__}: LLMEngine runs "
+                "generation requests (beam search is LLM.beam_search)."
+            )
+        (processed,) = self.processor.process(
+            [prompt], [params], priority=[priority], tokenization_kwargs=tokenization_kwargs
+        )
+        if isinstance(processed, RejectedRequest):
+            raise processed.error
+        engine.add_request(replace(processed, request_id=request_id))
+        self._unfinished.add(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step (with data parallelism: until some request finishes); the
+        outputs of the requests that finished, in the order they did."""
+        engine = self.live_engine()
+        if not engine.has_unfinished():
+            return []
+        outputs = engine.step()
+        self._unfinished.difference_update(output.request_id for output in outputs)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine_core is not None and self.engine_core.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests queued with `add_request` and not yet returned by `step`."""
+        return len(self._unfinished)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Drop these requests (one id or several; unknown and finished ids are ignored):
+        their blocks are freed and `step` reports nothing more of them."""
+        request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self.live_engine().abort_requests(request_ids)
+        self._unfinished.difference_update(request_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, so later prompts compute their KV cache anew (after a
+        weight update, or to time a cold cache). Returns False, and forgets nothing, while
+        requests are running: their blocks are in use."""
+        return self.live_engine().reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's metrics now (``vllm.v1.metrics.reader`` values: `Counter`, `Gauge`,
+        `Histogram`): tokens, requests by finish reason, latencies, the KV cache, labelled
+        ``model_name`` (the served model name) and ``engine`` (with data parallelism, one
+        series per replica). docs/usage.md ("Metrics") lists them.
+
+        Raises RuntimeError under ``disable_log_stats=True``, as vLLM does.
+        """
+        if self.args.disable_log_stats:
+            raise RuntimeError(
+                "get_metrics() needs the engine statistics, and this engine was built with "
+                "disable_log_stats=True: pass disable_log_stats=False (the default) to read "
+                "them, or use LLM.get_engine_metrics() for paged_llm's own counters."
+            )
+        return self.live_engine().get_stat_metrics(self.model_config.served_model_name)
+
+    # ----- the model --------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
+        """The tokenizer prompts are encoded with; None under skip_tokenizer_init=True."""
+        return self.model_info.tokenizer
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer prompts are encoded with."""
+        if self.model_info.tokenizer is None:
+            raise ValueError(
+                "This engine has no tokenizer: it was built with skip_tokenizer_init=True."
+            )
+        return self.model_info.tokenizer
+
+    def get_model_config(self) -> ModelConfig:
+        return self.model_config
+
+    def shutdown(self) -> None:
+        """Free the KV cache and the weights (and end any worker or replica process); the
+        engine cannot run requests afterwards."""
+        if self.engine_core is not None:
+            self.engine_core.shutdown()
+            self.engine_core = None
+        self._unfinished.clear()
+
+
+def check_no_lora(lora_request: LoRARequest | None) -> None:
+    """Refuse a LoRA adapter: paged_llm runs none yet."""
+    if lora_request is not None:
+        raise ValueError(
+            "lora_request is not supported: paged_llm has no LoRA adapters (see enable_lora); "
+            "merge the adapter into the weights and load that model, or pass None."
+        )

@@ -1,0 +1,1 @@
+"""Mirrors `vllm.lora`."""

@@ -1,0 +1,191 @@
+"""vLLM's offline names, each with what paged_llm does with it: the one list behind
+docs/vllm_compat.md and behind the refusals of the names paged_llm does not reproduce.
+
+A name is ``"vllm." + path``; paged_llm has it at ``"paged_llm." + path`` (a module, a
+module attribute or a class attribute). Its status is one of
+
+- ``Y``: it does what vLLM's does;
+- ``differs``: it exists and ``note`` says how it differs;
+- ``refused``: using it raises an error whose message is ``note`` (see `refusal`), never
+  a silent no-op.
+
+The keyword arguments of ``LLM`` / ``EngineArgs`` and the fields of ``SamplingParams`` have
+tables of their own in docs/usage.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STATUSES = ("Y", "differs", "refused")
+
+_POOLING = (
+    "pooling models (embeddings, classification, scores, rewards) are not supported by "
+    "paged_llm; it runs text generation only."
+)
+_TRAINING_LOOP = (
+    "is not supported by paged_llm yet: weights are loaded once and the engine cannot be "
+    "put to sleep or called on its workers; build a new LLM after changing the weights."
+)
+
+
+@dataclass(frozen=True)
+class VllmName:
+    """One vLLM name: ``path`` after ``vllm.``, its status and how it differs or why not."""
+
+    path: str
+    status: str
+    note: str = ""
+
+    @property
+    def paged_llm_path(self) -> str:
+        return f"paged_llm.{self.path}"
+
+
+VLLM_NAMES: tuple[VllmName, ...] = (
+    # ----- the package --------------------------------------------------------------------
+    VllmName("LLM", "Y"),
+    VllmName("LLMEngine", "Y"),
+    VllmName("EngineArgs", "Y"),
+    VllmName("SamplingParams", "Y"),
+    VllmName("BeamSearchParams", "Y"),
+    VllmName("TextPrompt", "Y"),
+    VllmName("TokensPrompt", "Y"),
+    VllmName("RequestOutput", "Y"),
+    VllmName("CompletionOutput", "Y"),
+    VllmName("PoolingParams", "refused", _POOLING),
+    VllmName("PoolingRequestOutput", "refused", _POOLING),
+    VllmName("EmbeddingRequestOutput", "refused", _POOLING),
+    VllmName("ClassificationRequestOutput", "refused", _POOLING),
+    VllmName("ScoringRequestOutput", "refused", _POOLING),
+    VllmName(
+        "AsyncLLMEngine",
+        "refused",
+        "paged_llm is an offline engine: use LLM, LLM.generate_stream or LLMEngine's step loop.",
+    ),
+    VllmName(
+        "AsyncEngineArgs",
+        "refused",
+        "paged_llm is an offline engine: use EngineArgs with LLM or LLMEngine.",
+    ),
+    VllmName(
+        "ModelRegistry",
+        "refused",
+        "paged_llm runs its own Llama, Mistral, Qwen2 and Qwen3 code; other architectures "
+        "cannot be registered.",
+    ),
+    # ----- LLM ----------------------------------------------------------------------------
+    VllmName("LLM.generate", "Y"),
+    VllmName("LLM.chat", "Y"),
+    VllmName("LLM.beam_search", "Y"),
+    VllmName("LLM.get_tokenizer", "Y"),
+    VllmName("LLM.get_default_sampling_params", "Y"),
+    VllmName("LLM.get_metrics", "Y"),
+    VllmName("LLM.reset_prefix_cache", "Y"),
+    VllmName("LLM.llm_engine", "Y"),
+    VllmName("LLM.encode", "refused", f"LLM.encode: {_POOLING}"),
+    VllmName("LLM.embed", "refused", f"LLM.embed: {_POOLING}"),
+    VllmName("LLM.classify", "refused", f"LLM.classify: {_POOLING}"),
+    VllmName("LLM.score", "refused", f"LLM.score: {_POOLING}"),
+    VllmName("LLM.reward", "refused", f"LLM.reward: {_POOLING}"),
+    VllmName("LLM.sleep", "refused", f"LLM.sleep {_TRAINING_LOOP}"),
+    VllmName("LLM.wake_up", "refused", f"LLM.wake_up {_TRAINING_LOOP}"),
+    VllmName("LLM.collective_rpc", "refused", f"LLM.collective_rpc {_TRAINING_LOOP}"),
+    VllmName("LLM.apply_model", "refused", f"LLM.apply_model {_TRAINING_LOOP}"),
+    VllmName(
+        "LLM.start_profile",
+        "refused",
+        "LLM.start_profile: paged_llm has no built-in profiler hooks; profile generate() with "
+        "torch.profiler or py-spy.",
+    ),
+    VllmName(
+        "LLM.stop_profile",
+        "refused",
+        "LLM.stop_profile: paged_llm has no built-in profiler hooks; profile generate() with "
+        "torch.profiler or py-spy.",
+    ),
+    # ----- LLMEngine ----------------------------------------------------------------------
+    VllmName("LLMEngine.from_engine_args", "Y"),
+    VllmName("LLMEngine.add_request", "Y"),
+    VllmName(
+        "LLMEngine.step",
+        "differs",
+        "Returns each request's output once, when it finishes (vLLM's "
+        "`RequestOutputKind.FINAL_ONLY`); vLLM's default also returns the unfinished "
+        "requests' outputs so far after every step. With data parallelism one step runs until "
+        "some request finishes.",
+    ),
+    VllmName("LLMEngine.has_unfinished_requests", "Y"),
+    VllmName("LLMEngine.get_num_unfinished_requests", "Y"),
+    VllmName("LLMEngine.abort_request", "Y"),
+    VllmName("LLMEngine.reset_prefix_cache", "Y"),
+    VllmName("LLMEngine.get_metrics", "Y"),
+    VllmName("LLMEngine.get_tokenizer", "Y"),
+    VllmName("LLMEngine.get_model_config", "Y"),
+    # ----- modules ------------------------------------------------------------------------
+    VllmName("engine.arg_utils.EngineArgs", "Y"),
+    VllmName("outputs.RequestOutput", "Y"),
+    VllmName("outputs.CompletionOutput", "Y"),
+    VllmName("sampling_params.SamplingParams", "Y"),
+    VllmName("sampling_params.BeamSearchParams", "Y"),
+    VllmName("inputs.TextPrompt", "Y"),
+    VllmName("inputs.TokensPrompt", "Y"),
+    VllmName(
+        "lora.request.LoRARequest",
+        "differs",
+        "The request object exists; LLM.generate, LLM.chat and LLMEngine.add_request refuse "
+        "one: paged_llm runs no LoRA adapters yet.",
+    ),
+    VllmName("platforms.current_platform", "Y"),
+    VllmName(
+        "distributed.cleanup_dist_env_and_memory",
+        "differs",
+        "Collects the engines no longer referenced (ending their worker processes) and empties "
+        "CUDA's cache; it leaves torch.distributed's default process group alone, since "
+        "paged_llm's tensor-parallel groups end with their engine and a default group is the "
+        "caller's.",
+    ),
+    VllmName("utils.FlexibleArgumentParser", "Y"),
+    VllmName("utils.argparse_utils.FlexibleArgumentParser", "Y"),
+    VllmName("utils.get_open_port", "Y"),
+    VllmName("v1.metrics.reader.Metric", "Y"),
+    VllmName("v1.metrics.reader.Counter", "Y"),
+    VllmName("v1.metrics.reader.Gauge", "Y"),
+    VllmName("v1.metrics.reader.Histogram", "Y"),
+    VllmName("v1.metrics.reader.Vector", "Y"),
+    VllmName("v1.sample.logits_processor.LogitsProcessor", "Y"),
+    VllmName("v1.sample.logits_processor.BatchUpdate", "Y"),
+    VllmName("v1.sample.logits_processor.MoveDirectionality", "Y"),
+    VllmName("v1.sample.logits_processor.process_dict_updates", "Y"),
+    VllmName("v1.sample.logits_processor.AdapterLogitsProcessor", "Y"),
+    VllmName("config.VllmConfig", "Y"),
+)
+
+
+def refusal(owner: str, name: str) -> AttributeError | ImportError:
+    """The error for attribute ``name`` of ``owner`` (a module, ``"paged_llm"``, or a
+    class, ``"LLM"``) where it is missing: for a refused vLLM name, an error whose message is
+    the refusal's note (from a module an ImportError, so that ``from paged_llm import X``
+    shows it), else Python's AttributeError."""
+    is_module = owner == "paged_llm" or owner.startswith("paged_llm.")
+    path = f"{owner}.{name}".removeprefix("paged_llm").lstrip(".")
+    for vllm_name in VLLM_NAMES:
+        if vllm_name.path == path and vllm_name.status == "refused":
+            if is_module:
+                return ImportError(vllm_name.note, name=owner)
+            return AttributeError(vllm_name.note)
+    kind = "module" if is_module else "object"
+    return AttributeError(f"{kind} {owner!r} has no attribute {name!r}")
+
+
+def markdown_table() -> str:
+    """docs/vllm_compat.md's table: one row per name, in `VLLM_NAMES` order."""
+    rows = [
+        "| vLLM | paged_llm | status | how it differs, or why not |",
+        "| --- | --- | --- | --- |",
+    ]
+    for vllm_name in VLLM_NAMES:
+        here = "" if vllm_name.status == "refused" else f"`{vllm_name.paged_llm_path}`"
+        note = vllm_name.note.replace("|", "\\|")
+        rows.append(f"| `vllm.{vllm_name.path}` | {here} | {vllm_name.status} | {note} |")
+    return "\n".join(rows)

@@ -1,0 +1,151 @@
+"""Scripts written for vLLM run with `vllm` resolving to `paged_llm` and nothing else changed
+(tests/vllm_scripts/), and give the values vLLM's contract promises: greedy tokens equal to
+transformers', the `LLMEngine` loop's outputs equal to `LLM.generate`'s, answers that the
+prefix cache leaves unchanged."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from paged_llm import LLM, EngineArgs, SamplingParams
+from tests.conftest import hf_greedy
+from tests.vllm_scripts.runner import run_script
+
+
+def test_basic_generates_well_formed_samples(model: str, one_thread: None) -> None:
+    outputs = run_script("basic.py", model)["outputs"]
+    assert [output.prompt for output in outputs] == [
+        "Hello, my name is",
+        "The president of the United States is",
+        "The capital of France is",
+        "The future of AI is",
+    ]
+    for output in outputs:
+        (completion,) = output.outputs
+        assert output.finished and completion.finish_reason in ("stop", "length")
+        assert 1 <= len(completion.token_ids) <= 16  # vLLM's default max_tokens
+
+
+def test_the_llm_engine_loop_gives_what_generate_gives(model: str, one_thread: None) -> None:
+    finished = run_script(
+        "llm_engine_example.py", "--model", model, "--max_model_len=128", "--seed", "3"
+    )["finished"]
+    assert sorted(output.request_id for output in finished) == ["0", "1", "2"]
+    by_id = {output.request_id: output for output in finished}
+    prompts_and_params = [
+        (
+            "A robot may not injure a human being",
+            SamplingParams(temperature=0.0, logprobs=1, prompt_logprobs=1, max_tokens=8),
+        ),
+        (
+            "To be or not to be,",
+            SamplingParams(temperature=0.8, top_k=5, presence_penalty=0.2, max_tokens=8),
+        ),
+        (
+            "What is the meaning of life?",
+            SamplingParams(n=2, temperature=0.8, top_p=0.95, frequency_penalty=0.1, max_tokens=8),
+        ),
+    ]
+    with LLM(model, max_model_len=128, seed=3) as llm:
+        expected = llm.generate(
+            [prompt for prompt, _ in prompts_and_params],
+            [params for _, params in prompts_and_params],
+        )
+    for index, want in enumerate(expected):
+        got = by_id[str(index)]
+        assert got.prompt_token_ids == want.prompt_token_ids
+        assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+        assert [c.text for c in got.outputs] == [c.text for c in want.outputs]
+    greedy, reference = by_id["0"], expected[0]
+    assert greedy.prompt_logprobs == reference.prompt_logprobs
+    assert greedy.outputs[0].logprobs == reference.outputs[0].logprobs
+
+
+def test_greedy_tokens_of_a_script_equal_transformers(model: str, one_thread: None) -> None:
+    outputs = run_script("prefix_caching.py", model)
+    assert outputs["generated_same"] is True
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    for output in outputs["outputs"]:
+        ids = tokenizer(output.prompt)["input_ids"]
+        assert output.prompt_token_ids == ids
+        assert (
+            list(output.outputs[0].token_ids)
+            == hf_greedy(reference, ids, 8)[: len(output.outputs[0].token_ids)]
+        )
+
+
+def test_reset_prefix_cache_makes_the_next_prompt_compute_anew(
+    model: str, one_thread: None
+) -> None:
+    run = run_script("reset_prefix_cache.py", model)
+    assert run["first"].num_cached_tokens == 0
+    assert run["cached"].num_cached_tokens > 0
+    assert run["was_reset"] is True
+    assert run["after_reset"].num_cached_tokens == 0
+    assert run["after_reset"].outputs[0].token_ids == run["first"].outputs[0].token_ids
+    run["llm"].shutdown()
+
+
+def test_reset_prefix_cache_refuses_while_requests_hold_blocks(model: str) -> None:
+    with LLM(model, max_model_len=128) as llm:
+        llm.llm_engine.add_request("running", "Hello there", SamplingParams(max_tokens=4))
+        llm.llm_engine.step()
+        assert llm.reset_prefix_cache() is False
+        llm.llm_engine.abort_request("running")
+        assert not llm.llm_engine.has_unfinished_requests()
+        assert llm.reset_prefix_cache() is True
+
+
+def test_a_lora_request_is_refused_and_the_other_requests_run(model: str) -> None:
+    run = run_script("multi_lora_engine.py", model)
+    assert "LoRA" in run["refusal"]
+    assert [output.request_id for output in run["finished"]] == ["base"]
+
+
+def test_llm_engine_refuses_a_running_id_and_generate_waits_for_its_requests(
+    model: str,
+) -> None:
+    with LLM(model, max_model_len=128) as llm:
+        engine = llm.llm_engine
+        engine.add_request("a", "Hello", SamplingParams(max_tokens=2))
+        with pytest.raises(ValueError, match="already running"):
+            engine.add_request("a", "Hello again", SamplingParams(max_tokens=2))
+        with pytest.raises(RuntimeError, match="add_request"):
+            llm.generate("Hi")
+        assert engine.get_num_unfinished_requests() == 1
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.get_num_unfinished_requests() == 0
+        assert len(llm.generate("Hi", SamplingParams(max_tokens=2))) == 1
+
+
+def test_cleanup_frees_a_deleted_llms_engine(model: str) -> None:
+    from paged_llm.distributed import cleanup_dist_env_and_memory
+
+    llm = LLM(model, max_model_len=128)
+    engine = llm.engine
+    assert engine is not None
+    runner = weakref.ref(engine.model_runner)  # type: ignore[attr-defined]
+    del llm, engine
+    cleanup_dist_env_and_memory()
+    gc.collect()
+    assert runner() is None
+
+
+def test_engine_args_build_the_engine_llm_builds(model: str) -> None:
+    from paged_llm import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=model, max_model_len=64))
+    try:
+        assert engine.model_config.max_model_len == 64
+        assert engine.get_tokenizer() is engine.tokenizer
+    finally:
+        engine.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.add_request("x", "Hi", SamplingParams())
