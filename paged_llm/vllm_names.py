@@ -158,6 +158,10 @@ VLLM_NAMES: tuple[VllmName, ...] = (
     VllmName("v1.sample.logits_processor.MoveDirectionality", "Y"),
     VllmName("v1.sample.logits_processor.process_dict_updates", "Y"),
     VllmName("v1.sample.logits_processor.AdapterLogitsProcessor", "Y"),
+    VllmName("v1.sample.logits_processor.builtin.process_dict_updates", "Y"),
+    VllmName("v1.sample.logits_processor.interface.LogitsProcessor", "Y"),
+    VllmName("v1.sample.logits_processor.interface.BatchUpdate", "Y"),
+    VllmName("v1.sample.logits_processor.interface.MoveDirectionality", "Y"),
     VllmName("config.VllmConfig", "Y"),
 )
 

@@ -149,3 +149,31 @@ def test_engine_args_build_the_engine_llm_builds(model: str) -> None:
         engine.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         engine.add_request("x", "Hi", SamplingParams())
+
+
+def test_a_custom_logits_processor_class_forces_only_the_requests_that_ask(
+    model: str, one_thread: None
+) -> None:
+    outputs = run_script("logits_processor_custom.py", model)["outputs"]
+    assert set(outputs[0].outputs[0].token_ids) == {128}
+    assert set(outputs[2].outputs[0].token_ids) == {67}
+    with LLM(model, max_model_len=128) as plain:
+        free = plain.generate(
+            [outputs[1].prompt, outputs[3].prompt], SamplingParams(temperature=0.0)
+        )
+    assert [o.outputs[0].token_ids for o in (outputs[1], outputs[3])] == [
+        o.outputs[0].token_ids for o in free
+    ]
+
+
+def test_the_metrics_example_counts_the_tokens_it_processed(model: str, one_thread: None) -> None:
+    run = run_script("metrics.py", model)
+    outputs, seen = run["outputs"], run["seen"]
+    (prompt_tokens,) = seen["vllm:prompt_tokens"]
+    (generation_tokens,) = seen["vllm:generation_tokens"]
+    assert prompt_tokens.value == sum(len(o.prompt_token_ids) for o in outputs)
+    assert generation_tokens.value == sum(len(o.outputs[0].token_ids) for o in outputs)
+    (ttft,) = seen["vllm:time_to_first_token_seconds"]
+    assert ttft.count == len(outputs) and ttft.buckets["+Inf"] == len(outputs)
+    (running,) = seen["vllm:num_requests_running"]
+    assert running.value == 0
