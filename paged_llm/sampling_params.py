@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,6 +58,15 @@ class _StopStrings(_ListField[str]):
 
     def __set__(self, obj: object, value: str | list[str] | None) -> None:
         super().__set__(obj, [value] if isinstance(value, str) else value)
+
+
+class RequestOutputKind(enum.Enum):
+    """What `LLMEngine.step` reports of a request (vLLM's ``RequestOutputKind``). `LLM`
+    returns whole results, so its calls run every request as ``FINAL_ONLY``."""
+
+    CUMULATIVE = 0  # after every step that adds tokens: everything generated so far
+    DELTA = 1  # after every step that adds tokens: only what that step added
+    FINAL_ONLY = 2  # once, when the request finishes
 
 
 @dataclass
@@ -121,6 +131,10 @@ class SamplingParams:
             penalties (see docs/usage.md, "Custom logits processors"). With
             ``data_parallel_size`` > 1 the params travel to a replica process, so the
             callables must pickle (module-level functions, not lambdas or closures).
+        output_kind: What `LLMEngine.step` reports of the request: everything so far
+            after each step (``CUMULATIVE``), only each step's new tokens and text
+            (``DELTA``), or one output when it finishes (``FINAL_ONLY``). `LLM` runs every
+            request as ``FINAL_ONLY``.
 
     Invalid values raise `VLLMValidationError` (a ValueError) naming the field.
     """
@@ -152,6 +166,7 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     logits_processors: list[Callable[..., Any]] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.verify()
@@ -276,6 +291,12 @@ class SamplingParams:
             )
 
         _check_structured_outputs(self.structured_outputs)
+        _check(
+            isinstance(self.output_kind, RequestOutputKind),
+            "output_kind",
+            self.output_kind,
+            "a RequestOutputKind",
+        )
         _check(
             self.logits_processors is None
             or (

@@ -107,14 +107,7 @@ VLLM_NAMES: tuple[VllmName, ...] = (
     # ----- LLMEngine ----------------------------------------------------------------------
     VllmName("LLMEngine.from_engine_args", "Y"),
     VllmName("LLMEngine.add_request", "Y"),
-    VllmName(
-        "LLMEngine.step",
-        "differs",
-        "Returns each request's output once, when it finishes (vLLM's "
-        "`RequestOutputKind.FINAL_ONLY`); vLLM's default also returns the unfinished "
-        "requests' outputs so far after every step. With data parallelism one step runs until "
-        "some request finishes.",
-    ),
+    VllmName("LLMEngine.step", "Y"),
     VllmName("LLMEngine.has_unfinished_requests", "Y"),
     VllmName("LLMEngine.get_num_unfinished_requests", "Y"),
     VllmName("LLMEngine.abort_request", "Y"),
@@ -128,6 +121,7 @@ VLLM_NAMES: tuple[VllmName, ...] = (
     VllmName("outputs.CompletionOutput", "Y"),
     VllmName("sampling_params.SamplingParams", "Y"),
     VllmName("sampling_params.BeamSearchParams", "Y"),
+    VllmName("sampling_params.RequestOutputKind", "Y"),
     VllmName("inputs.TextPrompt", "Y"),
     VllmName("inputs.TokensPrompt", "Y"),
     VllmName(

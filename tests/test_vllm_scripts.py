@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from paged_llm import LLM, EngineArgs, SamplingParams
+from paged_llm import LLM, EngineArgs, RequestOutput, SamplingParams
+from paged_llm.sampling_params import RequestOutputKind
 from tests.conftest import hf_greedy
 from tests.vllm_scripts.runner import run_script
 
@@ -105,7 +106,8 @@ def test_reset_prefix_cache_refuses_while_requests_hold_blocks(model: str) -> No
 def test_a_lora_request_is_refused_and_the_other_requests_run(model: str) -> None:
     run = run_script("multi_lora_engine.py", model)
     assert "LoRA" in run["refusal"]
-    assert [output.request_id for output in run["finished"]] == ["base"]
+    assert {output.request_id for output in run["finished"]} == {"base"}
+    assert [output.finished for output in run["finished"]] == [False] * 3 + [True]
 
 
 def test_llm_engine_refuses_a_running_id_and_generate_waits_for_its_requests(
@@ -177,3 +179,37 @@ def test_the_metrics_example_counts_the_tokens_it_processed(model: str, one_thre
     assert ttft.count == len(outputs) and ttft.buckets["+Inf"] == len(outputs)
     (running,) = seen["vllm:num_requests_running"]
     assert running.value == 0
+
+
+def test_step_reports_as_each_requests_output_kind_asks(model: str, one_thread: None) -> None:
+    prompt = "Once upon a time"
+    greedy = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True, "logprobs": 1}
+    kinds = {
+        "cumulative": RequestOutputKind.CUMULATIVE,
+        "delta": RequestOutputKind.DELTA,
+        "final": RequestOutputKind.FINAL_ONLY,
+    }
+    with LLM(model, max_model_len=128, max_num_seqs=2) as llm:
+        (expected,) = llm.generate(prompt, SamplingParams(**greedy), use_tqdm=False)
+        engine = llm.llm_engine
+        for request_id, kind in kinds.items():
+            engine.add_request(request_id, prompt, SamplingParams(**greedy, output_kind=kind))
+        reports: dict[str, list[RequestOutput]] = {request_id: [] for request_id in kinds}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                reports[output.request_id].append(output)
+    want = expected.outputs[0]
+    for outputs in reports.values():
+        assert [o.finished for o in outputs][-1] is True
+        assert not any(o.finished for o in outputs[:-1])
+    (final,) = reports["final"]
+    assert final.outputs[0].token_ids == want.token_ids and final.outputs[0].text == want.text
+    cumulative = [o.outputs[0] for o in reports["cumulative"]]
+    assert [len(c.token_ids) for c in cumulative] == list(range(1, 7))
+    assert [c.token_ids for c in cumulative] == [want.token_ids[:k] for k in range(1, 7)]
+    assert cumulative[-1].text == want.text and cumulative[-1].logprobs == want.logprobs
+    delta = [o.outputs[0] for o in reports["delta"]]
+    assert [len(d.token_ids) for d in delta] == [1] * 6
+    assert [t for d in delta for t in d.token_ids] == want.token_ids
+    assert "".join(d.text for d in delta) == want.text
+    assert [lp for d in delta for lp in d.logprobs or []] == want.logprobs

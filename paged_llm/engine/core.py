@@ -20,7 +20,7 @@ from paged_llm.engine.sequence import FinishReason, Request, Sequence
 from paged_llm.engine.stats import EngineStats
 from paged_llm.metrics import Metric
 from paged_llm.outputs import RequestOutput
-from paged_llm.sampling_params import BeamSearchParams
+from paged_llm.sampling_params import BeamSearchParams, RequestOutputKind
 from paged_llm.seeds import derive_seed, request_seed
 from paged_llm.structured_outputs.xgrammar_backend import GrammarCompiler, SequenceGrammar
 
@@ -128,6 +128,7 @@ class EngineCore:
             params,
             time.time(),
             request.bad_words_token_ids,
+            output_kind=request.output_kind,
         )
         state.seqs = [
             Sequence(
@@ -149,7 +150,9 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and account one step; return the requests it finished."""
+        """Schedule, run and account one step; return the outputs of the requests it
+        finished, then those of the unfinished ``CUMULATIVE`` or ``DELTA`` requests it
+        added tokens to (``finished=False``)."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
             raise RuntimeError(
@@ -196,7 +199,12 @@ class EngineCore:
         for request_output in outputs:
             request = self._unfinished.pop(request_output.request_id)
             self.stats.record_finished(request, request_output)
-        return outputs
+        return outputs + [
+            self.output_processor.make_progress_output(request)
+            for request in _unique_requests(sampling_seqs)
+            if request.output_kind is not RequestOutputKind.FINAL_ONLY
+            and request.request_id in self._unfinished
+        ]
 
     def _fail_requests_without_token(
         self, batch: ScheduledBatch, output: StepOutput

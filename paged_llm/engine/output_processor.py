@@ -8,6 +8,7 @@ from paged_llm.engine.beam_search import FinishedBeam
 from paged_llm.engine.detokenizer import IncrementalDetokenizer, decode, find_stop_string
 from paged_llm.engine.sequence import FinishReason, RawLogprobs, Request, Sequence
 from paged_llm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from paged_llm.sampling_params import RequestOutputKind
 
 
 class OutputProcessor:
@@ -19,18 +20,22 @@ class OutputProcessor:
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
         # seq_id -> text cut at a stop string.
         self._stopped_texts: dict[int, str] = {}
+        # seq_id -> (tokens, characters) of its output that a DELTA request has reported.
+        self._reported: dict[int, tuple[int, int]] = {}
         self._token_texts: dict[int, str] = {}
 
     def reset(self) -> None:
         """Forget the per-sequence state of aborted sequences."""
         self._detokenizers.clear()
         self._stopped_texts.clear()
+        self._reported.clear()
 
     def forget(self, seqs: list[Sequence]) -> None:
         """Forget the per-sequence state of these aborted sequences."""
         for seq in seqs:
             self._detokenizers.pop(seq.seq_id, None)
             self._stopped_texts.pop(seq.seq_id, None)
+            self._reported.pop(seq.seq_id, None)
 
     def find_stop_string(self, seq: Sequence) -> str | None:
         """Detokenize the sequence's newest token; return a stop string it completes.
@@ -60,9 +65,15 @@ class OutputProcessor:
         return stop_str
 
     def _text(self, seq: Sequence) -> str:
-        params = seq.sampling_params
+        """The finished sequence's text; its per-sequence state is dropped."""
+        text = self._text_so_far(seq)
         self._detokenizers.pop(seq.seq_id, None)
-        stopped = self._stopped_texts.pop(seq.seq_id, None)
+        self._stopped_texts.pop(seq.seq_id, None)
+        return text
+
+    def _text_so_far(self, seq: Sequence) -> str:
+        params = seq.sampling_params
+        stopped = self._stopped_texts.get(seq.seq_id)
         if stopped is not None:
             return stopped
         if not params.detokenize or self.tokenizer is None:
@@ -118,61 +129,83 @@ class OutputProcessor:
             for rank, beam in enumerate(beams)
         ]
         request.metrics.num_generation_tokens = max(len(c.token_ids) for c in completions)
-        return _finished_output(request, completions)
+        return _request_output(request, completions)
 
     def make_output(self, request: Request) -> RequestOutput:
-        """The output of a request whose sequences have all finished."""
+        """The output of a request whose sequences have all finished (for a ``DELTA``
+        request, what was not reported yet)."""
+        output = self._output(request, finished=True)
+        request.metrics.num_generation_tokens = max(seq.num_output_tokens for seq in request.seqs)
+        for seq in request.seqs:
+            self._reported.pop(seq.seq_id, None)
+        return output
+
+    def make_progress_output(self, request: Request) -> RequestOutput:
+        """The output so far of an unfinished ``CUMULATIVE`` or ``DELTA`` request (for
+        ``DELTA``, what was added since the last report). Its text is decoded anew each
+        time: streaming costs a decode per step, which `LLM`'s final-only calls never pay."""
+        return self._output(request, finished=False)
+
+    def _output(self, request: Request, finished: bool) -> RequestOutput:
         params = request.sampling_params
+        delta = request.output_kind is RequestOutputKind.DELTA
+        first_report = not any(seq.seq_id in self._reported for seq in request.seqs)
         completions = []
         for seq in request.seqs:
+            text = self._text(seq) if finished else self._text_so_far(seq)
+            # NOTE: an unfinished sequence's list keeps growing: report a copy.
+            token_ids = seq.output_token_ids if finished else list(seq.output_token_ids)
+            num_tokens = num_chars = 0
+            if delta:
+                num_tokens, num_chars = self._reported.get(seq.seq_id, (0, 0))
+                self._reported[seq.seq_id] = (len(token_ids), len(text))
+                token_ids, text = token_ids[num_tokens:], text[num_chars:]
             logprobs = None
             cumulative = None
             if params.logprobs is not None:
-                logprobs = [self._logprob_dict(raw) for raw in seq.logprobs]
+                logprobs = [self._logprob_dict(raw) for raw in seq.logprobs[num_tokens:]]
                 cumulative = sum(raw[1][0] for raw in seq.logprobs)
             completions.append(
                 CompletionOutput(
                     index=seq.index,
-                    text=self._text(seq),
-                    token_ids=seq.output_token_ids,
+                    text=text,
+                    token_ids=token_ids,
                     cumulative_logprob=cumulative,
                     logprobs=logprobs,
                     finish_reason=seq.finish_reason.value if seq.finish_reason else None,
                     stop_reason=seq.stop_reason,
                 )
             )
-        request.metrics.num_generation_tokens = max(seq.num_output_tokens for seq in request.seqs)
         prompt_logprobs = None
-        if params.prompt_logprobs is not None:
+        if params.prompt_logprobs is not None and (first_report or not delta):
             prompt_logprobs = [None] + [
                 None if raw is None else self._logprob_dict(raw) for raw in request.prompt_logprobs
             ]
-        return _finished_output(request, completions, prompt_logprobs)
+        return _request_output(request, completions, prompt_logprobs, finished)
 
     def make_error_output(self, request: Request, reason: str, parameter: str) -> RequestOutput:
         """The output of a request the engine stopped: no completions, ``error`` the
         reason (without the request's index, which only the front end knows) and
         ``error_parameter`` the parameter at fault."""
-        for seq in request.seqs:
-            self._detokenizers.pop(seq.seq_id, None)
-            self._stopped_texts.pop(seq.seq_id, None)
-        output = _finished_output(request, [])
+        self.forget(request.seqs)
+        output = _request_output(request, [])
         output.error, output.error_parameter = reason, parameter
         return output
 
 
-def _finished_output(
+def _request_output(
     request: Request,
     completions: list[CompletionOutput],
     prompt_logprobs: PromptLogprobs | None = None,
+    finished: bool = True,
 ) -> RequestOutput:
-    """The `RequestOutput` of a finished request with these completions."""
+    """The `RequestOutput` of a request with these completions."""
     return RequestOutput(
         request_id=request.request_id,
         prompt=request.prompt,
         prompt_token_ids=request.prompt_token_ids,
         outputs=completions,
-        finished=True,
+        finished=finished,
         num_cached_tokens=request.seqs[0].num_cached_tokens,
         metrics=request.metrics,
         prompt_logprobs=prompt_logprobs,

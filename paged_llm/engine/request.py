@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from paged_llm.sampling_params import BeamSearchParams, SamplingParams
+from paged_llm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,3 +24,6 @@ class EngineRequest:
     params: SamplingParams | BeamSearchParams
     # Token sequences that are never generated: ``params.bad_words``, tokenized.
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # What the engine reports of it while it runs: `LLMEngine.add_request` takes
+    # ``params.output_kind``; `LLM`'s calls want the finished result only.
+    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY

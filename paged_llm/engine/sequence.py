@@ -15,7 +15,7 @@ import enum
 from typing import TYPE_CHECKING
 
 from paged_llm.outputs import RequestMetrics
-from paged_llm.sampling_params import SamplingParams
+from paged_llm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from paged_llm.structured_outputs.xgrammar_backend import SequenceGrammar
@@ -48,6 +48,7 @@ class Request:
     __slots__ = (
         "bad_words_token_ids",
         "metrics",
+        "output_kind",
         "prompt",
         "prompt_logprobs",
         "prompt_token_ids",
@@ -66,12 +67,15 @@ class Request:
         arrival_time: float,
         bad_words_token_ids: list[list[int]] | None = None,
         tokens_chosen_externally: bool = False,
+        output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.bad_words_token_ids = bad_words_token_ids or []
+        # What `OutputProcessor` reports of it before it finishes.
+        self.output_kind = output_kind
         # True: `Scheduler.update` appends no sampled token to the request's sequences; an
         # owner outside the scheduler chooses their next tokens (see the module docstring).
         self.tokens_chosen_externally = tokens_chosen_externally

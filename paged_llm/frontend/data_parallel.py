@@ -194,7 +194,8 @@ class DataParallelEngine:
         self._max_model_len = max_model_len
         self._num_requests = 0
         self._pending: list[ReplicaRequest] = []
-        self._finished: list[RequestOutput] = []
+        # Outputs received from the replicas and not yet returned by `step`.
+        self._arrived: list[RequestOutput] = []
         self._lost: list[str] = []
         self._losses: list[str] = []
         placements = place_replicas(num_replicas, tensor_parallel_size, _usable_cpus(), devices)
@@ -261,22 +262,22 @@ class DataParallelEngine:
     def has_unfinished(self) -> bool:
         return bool(
             self._pending
-            or self._finished
+            or self._arrived
             or self._lost
             or any(replica.outstanding for replica in self._replicas)
         )
 
     def step(self) -> list[RequestOutput]:
-        """Send queued requests out, then wait for at least one to finish; return those that
-        have. Raises `RequestsLostError` for requests no replica is left to run."""
+        """Send queued requests out, then wait for outputs: those of the requests that
+        finished, and the progress of streaming ones (see `EngineCore.step`). Raises `RequestsLostError` for requests no replica is left to run."""
         if self._pending:
             pending, self._pending = self._pending, []
             self._dispatch(pending)
-        while not (self._finished or self._lost) and self._has_outstanding():
+        while not (self._arrived or self._lost) and self._has_outstanding():
             self._wait_for_events()
-        if self._finished:
-            finished, self._finished = self._finished, []
-            return finished
+        if self._arrived:
+            arrived, self._arrived = self._arrived, []
+            return arrived
         if self._lost:
             lost, self._lost = self._lost, []
             raise RequestsLostError(
@@ -290,7 +291,7 @@ class DataParallelEngine:
         """Drop every unfinished request; outputs of aborted requests that still arrive are
         ignored (request ids are never reused)."""
         self._pending.clear()
-        self._finished.clear()
+        self._arrived.clear()
         self._lost.clear()
         for replica in self._replicas:
             if replica.alive:
@@ -301,7 +302,7 @@ class DataParallelEngine:
         """Drop these requests wherever they are; later outputs of them are ignored."""
         dropped = set(request_ids)
         self._pending = [sent for sent in self._pending if sent.request_id not in dropped]
-        self._finished = [output for output in self._finished if output.request_id not in dropped]
+        self._arrived = [output for output in self._arrived if output.request_id not in dropped]
         for replica in self._replicas:
             mine = [request_id for request_id in request_ids if request_id in replica.outstanding]
             for request_id in mine:
@@ -388,8 +389,11 @@ class DataParallelEngine:
         still counts."""
         for kind, payload in replica.child.receive():
             if kind == "output":
-                if replica.outstanding.pop(payload.request_id, None) is not None:
-                    self._finished.append(payload)
+                if not payload.finished:
+                    if payload.request_id in replica.outstanding:
+                        self._arrived.append(payload)
+                elif replica.outstanding.pop(payload.request_id, None) is not None:
+                    self._arrived.append(payload)
             elif kind in ("ready", "metrics"):
                 replica.metrics = payload
                 replica.metrics_pending = False

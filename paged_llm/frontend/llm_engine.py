@@ -39,9 +39,9 @@ class LLMEngine:
     """One model's engine, as vLLM's ``LLMEngine``: `add_request`, `step`,
     `has_unfinished_requests`, `abort_request`.
 
-    `step` returns the outputs of the requests that finished during it, each once (vLLM's
-    ``RequestOutputKind.FINAL_ONLY``); a request's output is the one `LLM.generate` gives for
-    the same prompt and params.
+    `step` returns outputs as each request's ``SamplingParams.output_kind`` asks (by
+    default everything so far, after every step); a request's last output is the one
+    `LLM.generate` gives for the same prompt and params.
     """
 
     def __init__(self, args: EngineArgs) -> None:
@@ -126,17 +126,24 @@ class LLMEngine:
         )
         if isinstance(processed, RejectedRequest):
             raise processed.error
-        engine.add_request(replace(processed, request_id=request_id))
+        engine.add_request(
+            replace(processed, request_id=request_id, output_kind=params.output_kind)
+        )
         self._unfinished.add(request_id)
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step (with data parallelism: until some request finishes); the
-        outputs of the requests that finished, in the order they did."""
+        outputs it produced, as `SamplingParams.output_kind` asks: for ``CUMULATIVE``
+        (the default) and ``DELTA`` requests one output per step that added tokens
+        (``finished`` False until the last), for ``FINAL_ONLY`` ones one output when they
+        finish."""
         engine = self.live_engine()
         if not engine.has_unfinished():
             return []
         outputs = engine.step()
-        self._unfinished.difference_update(output.request_id for output in outputs)
+        self._unfinished.difference_update(
+            output.request_id for output in outputs if output.finished
+        )
         return outputs
 
     def has_unfinished_requests(self) -> bool:

@@ -380,13 +380,16 @@ def test_the_llm_engine_loop_aborts_and_resets_the_prefix_cache_in_every_replica
     for request_id, prompt in prompts.items():
         engine.add_request(request_id, prompt, params)
     engine.abort_request("dropped")
-    finished = []
+    reported = []
     while engine.has_unfinished_requests():
-        finished += engine.step()
-    assert [output.request_id for output in finished] == ["kept"]
+        reported += engine.step()
+    # The default output kind (CUMULATIVE) reports every token from the replica's steps.
+    assert [output.request_id for output in reported] == ["kept"] * 4
+    assert [len(output.outputs[0].token_ids) for output in reported] == [1, 2, 3, 4]
+    assert [output.finished for output in reported] == [False, False, False, True]
     # Both replicas run the prompt now, so each caches it.
     repeats = dp_llm.generate([prompts["kept"]] * 4, params, use_tqdm=False)
-    assert [r.outputs[0].token_ids for r in repeats] == [finished[0].outputs[0].token_ids] * 4
+    assert [r.outputs[0].token_ids for r in repeats] == [reported[-1].outputs[0].token_ids] * 4
     assert dp_llm.generate(prompts["kept"], params, use_tqdm=False)[0].num_cached_tokens > 0
     assert dp_llm.reset_prefix_cache() is True
     again = dp_llm.generate(prompts["kept"], params, use_tqdm=False)[0]
