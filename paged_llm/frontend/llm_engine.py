@@ -55,10 +55,22 @@ class LLMEngine:
         self._unfinished: set[str] = set()
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, **_vllm_options: Any) -> LLMEngine:
-        """The engine of ``engine_args``. vLLM's other keyword arguments (usage context,
-        stat loggers, multiprocessing) choose machinery paged_llm does not have and are
-        accepted without effect."""
+    def from_engine_args(
+        cls,
+        engine_args: EngineArgs,
+        usage_context: object = None,
+        stat_loggers: list[Any] | None = None,
+        enable_multiprocessing: bool = False,
+    ) -> LLMEngine:
+        """The engine of ``engine_args``. vLLM's ``usage_context`` (telemetry) and
+        ``enable_multiprocessing`` (the engine core in a process of its own) change nothing
+        a script can see and are accepted; custom ``stat_loggers`` are refused: read
+        `get_metrics` instead."""
+        if stat_loggers:
+            raise ValueError(
+                "stat_loggers are not supported by paged_llm: read LLMEngine.get_metrics() "
+                "(vLLM's metric objects) after or between steps instead."
+            )
         return cls(engine_args)
 
     def _engine_client(self) -> EngineClient:
