@@ -213,3 +213,19 @@ def test_step_reports_as_each_requests_output_kind_asks(model: str, one_thread: 
     assert [t for d in delta for t in d.token_ids] == want.token_ids
     assert "".join(d.text for d in delta) == want.text
     assert [lp for d in delta for lp in d.logprobs or []] == want.logprobs
+
+
+@pytest.mark.slow
+def test_the_data_parallel_launcher_runs_one_llm_per_rank(
+    model: str, one_thread: None, capfd: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        run_script("data_parallel.py", "--model", model, "--dp-size", "2")
+    assert exited.value.code == 0
+    lines = sorted(line for line in capfd.readouterr().out.splitlines() if "DP rank" in line)
+    assert lines == [
+        "DP rank 0, Prompt: 'Hello, my name is', Generated tokens: 4",
+        "DP rank 0, Prompt: 'The president of the United States is', Generated tokens: 4",
+        "DP rank 1, Prompt: 'The capital of France is', Generated tokens: 6",
+        "DP rank 1, Prompt: 'The future of AI is', Generated tokens: 6",
+    ]
