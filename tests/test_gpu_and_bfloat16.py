@@ -20,6 +20,9 @@ MAX_TOKENS = 24
 # Documented tolerances of bfloat16 parity (see test_bfloat16_agrees_with_transformers).
 BF16_AGREEMENT_SLACK = 0.15
 BF16_LOGPROB_ERROR_RATIO = 1.5
+# Sized from a GPU's free memory, a tiny model's cache would hold millions of blocks, each a
+# Python object of the block manager (minutes per engine on an H200); these prompts need few.
+KV_CACHE_MEMORY_BYTES = 64 * 2**20
 
 
 def _prompts() -> list[list[int]]:
@@ -29,7 +32,13 @@ def _prompts() -> list[list[int]]:
 
 def _generate(model_dir: Path, device: str = "cuda", **settings: object) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    with LLM(model_dir, device=device, max_model_len=512, **settings) as llm:
+    with LLM(
+        model_dir,
+        device=device,
+        max_model_len=512,
+        kv_cache_memory_bytes=KV_CACHE_MEMORY_BYTES,
+        **settings,
+    ) as llm:
         outputs = llm.generate(
             [{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False
         )
@@ -78,7 +87,13 @@ def test_bfloat16_agrees_with_transformers(
     assert _agreement(ours, hf_bf16) >= hf_own - BF16_AGREEMENT_SLACK
 
     prompts = _prompts()
-    with LLM(model_dir, device=device, dtype="bfloat16", max_model_len=512) as llm:
+    with LLM(
+        model_dir,
+        device=device,
+        dtype="bfloat16",
+        max_model_len=512,
+        kv_cache_memory_bytes=KV_CACHE_MEMORY_BYTES,
+    ) as llm:
         outputs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts],
             SamplingParams(max_tokens=1, prompt_logprobs=0),

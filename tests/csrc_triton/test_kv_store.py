@@ -85,7 +85,12 @@ def test_fp8_store_rounds_every_grid_midpoint_to_even(device: str) -> None:
     slots = torch.arange(num_tokens, device=device)
     store_kv(key, key, caches[0], caches[1], slots)
     reference.store_kv(key, key, caches[2], caches[3], slots)
-    assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
+    stored, expected = caches[0].view(torch.uint8).flatten(), caches[2].view(torch.uint8).flatten()
+    wrong = (stored != expected).nonzero().flatten().cpu()
+    inputs = key.flatten().cpu()
+    assert not len(wrong), [
+        (float(inputs[i]), int(stored[i]), int(expected[i])) for i in wrong[:20]
+    ]
 
 
 @pytest.mark.gpu
