@@ -77,3 +77,13 @@ def test_a_missing_name_that_vllm_lacks_too_is_pythons_attribute_error() -> None
 
     assert not hasattr(paged_llm, "NoSuchName")
     assert not hasattr(LLM.__new__(LLM), "no_such_method")
+
+
+def test_current_platform_is_the_one_device_auto_picks() -> None:
+    import torch
+
+    from paged_llm.platforms import current_platform, get_platform
+
+    assert type(current_platform) is type(get_platform("auto"))
+    assert current_platform.is_cuda() == torch.cuda.is_available() != current_platform.is_cpu()
+    assert current_platform.device_type == ("cuda" if torch.cuda.is_available() else "cpu")

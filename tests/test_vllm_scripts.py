@@ -6,7 +6,11 @@ prefix cache leaves unchanged."""
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +20,8 @@ from paged_llm import LLM, EngineArgs, RequestOutput, SamplingParams
 from paged_llm.sampling_params import RequestOutputKind
 from tests.conftest import hf_greedy
 from tests.vllm_scripts.runner import run_script
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_basic_generates_well_formed_samples(model: str, one_thread: None) -> None:
@@ -33,25 +39,14 @@ def test_basic_generates_well_formed_samples(model: str, one_thread: None) -> No
 
 
 def test_the_llm_engine_loop_gives_what_generate_gives(model: str, one_thread: None) -> None:
-    finished = run_script(
+    run = run_script(
         "llm_engine_example.py", "--model", model, "--max_model_len=128", "--seed", "3"
-    )["finished"]
+    )
+    finished = run["finished"]
     assert sorted(output.request_id for output in finished) == ["0", "1", "2"]
     by_id = {output.request_id: output for output in finished}
-    prompts_and_params = [
-        (
-            "A robot may not injure a human being",
-            SamplingParams(temperature=0.0, logprobs=1, prompt_logprobs=1, max_tokens=8),
-        ),
-        (
-            "To be or not to be,",
-            SamplingParams(temperature=0.8, top_k=5, presence_penalty=0.2, max_tokens=8),
-        ),
-        (
-            "What is the meaning of life?",
-            SamplingParams(n=2, temperature=0.8, top_p=0.95, frequency_penalty=0.1, max_tokens=8),
-        ),
-    ]
+    # The script's own prompts and params, run through LLM.generate instead.
+    prompts_and_params = run["create_test_prompts"]()
     with LLM(model, max_model_len=128, seed=3) as llm:
         expected = llm.generate(
             [prompt for prompt, _ in prompts_and_params],
@@ -151,6 +146,8 @@ def test_engine_args_build_the_engine_llm_builds(model: str) -> None:
         engine.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         engine.add_request("x", "Hi", SamplingParams())
+    with pytest.raises(ValueError, match="stat_loggers"):
+        LLMEngine.from_engine_args(EngineArgs(model=model), stat_loggers=[object()])
 
 
 def test_a_custom_logits_processor_class_forces_only_the_requests_that_ask(
@@ -216,13 +213,24 @@ def test_step_reports_as_each_requests_output_kind_asks(model: str, one_thread: 
 
 
 @pytest.mark.slow
-def test_the_data_parallel_launcher_runs_one_llm_per_rank(
-    model: str, one_thread: None, capfd: pytest.CaptureFixture[str]
-) -> None:
-    with pytest.raises(SystemExit) as exited:
-        run_script("data_parallel.py", "--model", model, "--dp-size", "2")
-    assert exited.value.code == 0
-    lines = sorted(line for line in capfd.readouterr().out.splitlines() if "DP rank" in line)
+def test_the_data_parallel_launcher_runs_one_llm_per_rank(model: str) -> None:
+    # NOTE: in a fresh interpreter: the script forks its ranks, and a fork of this test
+    # process copies locks that the threads of earlier tests may hold (it hung once so).
+    runner = (
+        "import sys; from tests.vllm_scripts.runner import run_script; "
+        "run_script('data_parallel.py', *sys.argv[1:])"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", runner, "--model", model, "--dp-size", "2"],
+        cwd=REPO_ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    lines = sorted(line for line in completed.stdout.splitlines() if "DP rank" in line)
     assert lines == [
         "DP rank 0, Prompt: 'Hello, my name is', Generated tokens: 4",
         "DP rank 0, Prompt: 'The president of the United States is', Generated tokens: 4",

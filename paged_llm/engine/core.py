@@ -88,7 +88,6 @@ class EngineCore:
         self._unfinished: dict[str, Request] = {}
         self._num_requests = 0
         self._num_prompt_tokens = 0
-        self._num_generated_tokens = 0
         self._num_steps = 0
         self.stats = EngineStats(self.scheduler, config.max_model_len)
 
@@ -167,7 +166,6 @@ class EngineCore:
         sampling_seqs = batch.sampling_seqs
         self.stats.record_step(sampling_seqs, time.time())
         finished = self.scheduler.update(batch, output.sampled_token_ids)
-        self._num_generated_tokens += len(sampling_seqs)
         if output.logprobs is not None:
             for seq, row in zip(sampling_seqs, output.logprobs, strict=True):
                 if row is not None:
@@ -256,7 +254,7 @@ class EngineCore:
         return EngineMetrics(
             num_requests=self._num_requests,
             num_prompt_tokens=self._num_prompt_tokens,
-            num_generated_tokens=self._num_generated_tokens,
+            num_generated_tokens=self.stats.num_generation_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queried_tokens=self.block_manager.prefix_cache_queried_tokens,
             prefix_cache_hit_tokens=self.block_manager.prefix_cache_hit_tokens,

@@ -9,10 +9,10 @@ engine in one continuous batch and sends back each finished `RequestOutput`.
 Each replica is a child of the front's `Supervisor` and talks to it over its two one-way
 pipes::
 
-    front -> replica   ("add", [ReplicaRequest, ...]) | ("abort", None) | ("metrics", None)
-                       | ("stop", None)
+    front -> replica   ("add", [ReplicaRequest, ...]) | ("abort", None | [request_id, ...])
+                       | ("call", (method, args)) | ("stop", None)
     replica -> front   ("ready", EngineMetrics) | ("output", RequestOutput)
-                       | ("metrics", EngineMetrics) | ("failed", ChildFailure)
+                       | ("reply", what the engine method returned) | ("failed", ChildFailure)
 
 A replica reads its commands on a thread of its own, so the front never blocks on a full
 pipe while the replica is busy sending results. The front waits on the result pipes and
@@ -132,8 +132,6 @@ def _serve(engine: EngineClient, inbox: queue.Queue[tuple[str, Any]], results: C
             elif command == "call":
                 method, args = payload
                 results.send(("reply", getattr(engine, method)(*args)))
-            elif command == "metrics":
-                results.send(("metrics", engine.get_metrics()))
         if engine.has_unfinished():
             for output in engine.step():
                 results.send(("output", output))
@@ -149,7 +147,6 @@ class _Replica:
     rank: int
     child: Child
     metrics: EngineMetrics | None = None  # the last reported; kept after the replica ends
-    metrics_pending: bool = False
     # The answer to the last "call" command, once `reply_pending` is False.
     reply: Any = None
     reply_pending: bool = False
@@ -269,7 +266,8 @@ class DataParallelEngine:
 
     def step(self) -> list[RequestOutput]:
         """Send queued requests out, then wait for outputs: those of the requests that
-        finished, and the progress of streaming ones (see `EngineCore.step`). Raises `RequestsLostError` for requests no replica is left to run."""
+        finished, and the progress of streaming ones (see `EngineCore.step`). Raises
+        `RequestsLostError` for requests no replica is left to run."""
         if self._pending:
             pending, self._pending = self._pending, []
             self._dispatch(pending)
@@ -328,12 +326,8 @@ class DataParallelEngine:
     def get_metrics(self) -> EngineMetrics:
         """The replicas' counters, summed; a replica that ended counts with its last report.
         A request that ran again after its replica died counts on both."""
-        live = [replica for replica in self._replicas if replica.alive]
-        for replica in live:
-            replica.metrics_pending = True
-            replica.child.send(("metrics", None))
-        while any(replica.alive and replica.metrics_pending for replica in live):
-            self._wait_for_events()
+        for rank, metrics in self._call_replicas("get_metrics").items():
+            self._replicas[rank].metrics = metrics
         reports = [astuple(r.metrics) for r in self._replicas if r.metrics is not None]
         return EngineMetrics(*(sum(column) for column in zip(*reports, strict=True)))
 
@@ -394,9 +388,8 @@ class DataParallelEngine:
                         self._arrived.append(payload)
                 elif replica.outstanding.pop(payload.request_id, None) is not None:
                     self._arrived.append(payload)
-            elif kind in ("ready", "metrics"):
+            elif kind == "ready":
                 replica.metrics = payload
-                replica.metrics_pending = False
             elif kind == "reply":
                 replica.reply = payload
                 replica.reply_pending = False
