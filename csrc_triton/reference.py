@@ -1,5 +1,7 @@
 """Plain torch versions of the kernels: slow, obviously correct, used as test oracles."""
 
+from itertools import pairwise
+
 import torch
 import torch.nn.functional as F
 
@@ -134,3 +136,30 @@ def group_quantized_matmul(
         weight = weight + offset.float()[:, groups]
     weight = weight.to(x.dtype).to(torch.float32)
     return (x.to(torch.float32) @ weight.T).to(x.dtype)
+
+
+def lora_shrink(
+    x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, out: torch.Tensor
+) -> None:
+    """Reference for :func:`csrc_triton.lora_shrink`: one float32 matmul per adapter slot over
+    its tokens; zeros for tokens without an adapter."""
+    out.zero_()
+    for slot in range(lora_a.shape[0]):
+        rows = token_slots == slot
+        out[:, rows] = torch.einsum("tk,srk->str", x[rows].float(), lora_a[slot].float())
+
+
+def lora_expand(
+    h: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    slice_offsets: tuple[int, ...],
+    out: torch.Tensor,
+) -> None:
+    """Reference for :func:`csrc_triton.lora_expand`: per adapter slot and slice, a float32
+    matmul over its tokens, rounded to ``out.dtype`` and added to the slice's columns."""
+    for slot in range(lora_b.shape[0]):
+        rows = token_slots == slot
+        for s, (start, end) in enumerate(pairwise(slice_offsets)):
+            delta = h[s, rows] @ lora_b[slot, start:end].float().T
+            out[rows, start:end] += delta.to(out.dtype)

@@ -86,6 +86,8 @@ class SchedulerConfig:
     max_model_len: int
     # False: a prompt is admitted only when all of it fits in the step's budget.
     chunked_prefill: bool = True
+    # Most distinct LoRA adapters among the running sequences; None: LoRA is off.
+    max_loras: int | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,15 @@ class CacheConfig:
     cache_dtype: torch.dtype
     # Blocks of the allocated cache; None before the model runner has sized it.
     num_gpu_blocks: int | None = None
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """The LoRA settings (`EngineArgs` of the same names), resolved: LoRA is on."""
+
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
 
 
 @dataclass(frozen=True)
@@ -156,6 +167,8 @@ class EngineConfig:
     model_config: ModelConfig
     # The classes of the `logits_processors` setting, imported.
     logits_processors: tuple[type[LogitsProcessor], ...]
+    # None: `enable_lora` is off.
+    lora: LoRAConfig | None
 
     @property
     def device(self) -> torch.device:
@@ -207,6 +220,11 @@ class EngineConfig:
             )
         if args.batch_invariant:
             _check_batch_invariance(attention_backend, args.tensor_parallel_size)
+            if args.enable_lora:
+                raise ValueError(
+                    "batch_invariant=True and enable_lora=True: adapters are computed per "
+                    "group of tokens, so a token's result depends on its batch; turn one off."
+                )
         dtype = resolve_dtype(args.dtype, hf_config, platform)
         kv_cache_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype] or dtype
         platform.check_kv_cache_dtype(kv_cache_dtype, attention_backend)
@@ -231,6 +249,7 @@ class EngineConfig:
             "quantization": resolve_quantization(args.quantization, hf_config),
             "model_config": _model_config(args, model_dir, hf_config, dtype, seed, scheduler),
             "logits_processors": load_logits_processors(args.logits_processors),
+            "lora": _lora_config(args),
         }
         # The other fields are settings taken as given, under the same names.
         return cls(
@@ -271,6 +290,19 @@ def _model_config(
     )
 
 
+def _lora_config(args: EngineArgs) -> LoRAConfig | None:
+    if not args.enable_lora:
+        return None
+    max_cpu_loras = args.max_loras if args.max_cpu_loras is None else args.max_cpu_loras
+    if max_cpu_loras < args.max_loras:
+        raise ValueError(
+            f"LLM argument max_cpu_loras={max_cpu_loras} is smaller than "
+            f"max_loras={args.max_loras}: every adapter of a step is kept in host memory; "
+            f"use max_cpu_loras >= {args.max_loras} (or None)."
+        )
+    return LoRAConfig(args.max_loras, args.max_lora_rank, max_cpu_loras)
+
+
 def _scheduler_config(args: EngineArgs, hf_config: Any, platform: Platform) -> SchedulerConfig:
     """The scheduler's settings: platform defaults filled in, max_model_len from the model."""
     model_max_len = getattr(hf_config, "max_position_embeddings", None)
@@ -288,7 +320,7 @@ def _scheduler_config(args: EngineArgs, hf_config: Any, platform: Platform) -> S
     settings = {
         setting.name: resolved_setting(args, setting.name, platform.name)
         for setting in fields(SchedulerConfig)
-        if setting.name not in ("max_model_len", "chunked_prefill")
+        if setting.name not in ("max_model_len", "chunked_prefill", "max_loras")
     }
     if not chunked_prefill:
         if args.max_num_batched_tokens is None:
@@ -302,7 +334,12 @@ def _scheduler_config(args: EngineArgs, hf_config: Any, platform: Platform) -> S
                 "schedules each prompt whole, so longer prompts could never run. Raise "
                 "max_num_batched_tokens, lower max_model_len, or enable chunked prefill."
             )
-    return SchedulerConfig(**settings, max_model_len=max_model_len, chunked_prefill=chunked_prefill)
+    return SchedulerConfig(
+        **settings,
+        max_model_len=max_model_len,
+        chunked_prefill=chunked_prefill,
+        max_loras=args.max_loras if args.enable_lora else None,
+    )
 
 
 def _check_batch_invariance(attention_backend: str, tensor_parallel_size: int) -> None:

@@ -285,6 +285,32 @@ class EngineArgs:
             LOGITS_PROCESSORS_ALLOWED,
         ),
     )
+    enable_lora: bool = honoured(
+        False,
+        "Serve LoRA adapters in PEFT's format: a request names its adapter with "
+        "`lora_request=LoRARequest(name, id, path)`, and any mix of adapters and the base model "
+        'runs in one batch. See "LoRA adapters".',
+        valid=BOOL,
+    )
+    max_loras: int = honoured(
+        1,
+        "Most distinct adapters in one step (with `enable_lora`); requests of further adapters "
+        "wait, in order, until a place frees.",
+        valid=at_least(1),
+    )
+    max_lora_rank: int = honoured(
+        16,
+        "Largest adapter rank served (with `enable_lora`); an adapter of a higher rank is "
+        "refused at intake, naming this setting.",
+        valid=at_least(1),
+    )
+    max_cpu_loras: int | None = honoured(
+        None,
+        "Adapters kept read in host memory (with `enable_lora`), least recently used "
+        "dropped first; at least `max_loras`.",
+        valid=Valid(lambda value: value is None or (INT.test(value) and value >= 1), "an int >= 1"),
+        default_doc="`max_loras`",
+    )
     # ----- honoured, in the table of "Coming from vLLM": the model, the tokenizer, and ----
     # vLLM's switches with one value here.
     tokenizer: str | Path | None = honoured(
@@ -467,9 +493,6 @@ class EngineArgs:
         # NOTE: vLLM's ProfilerConfig, as on vLLM's command line: JSON.
         cli=CliFlag(parse=parse_json),
     )
-    max_lora_rank: int = no_op(16, "LoRA is not supported (see enable_lora).")
-    max_loras: int = no_op(1, "LoRA is not supported (see enable_lora).")
-    max_cpu_loras: int | None = no_op(None, "LoRA is not supported (see enable_lora).")
     enable_expert_parallel: bool = no_op(
         False, "The supported architectures (Llama, Mistral, Qwen2, Qwen3) have no experts."
     )
@@ -478,9 +501,6 @@ class EngineArgs:
     allowed_local_media_path: str = no_op("", "Text-only models.")
     use_tqdm_on_load: bool = no_op(True, "Loading shows no progress bar.")
     # ----- refused unless neutral -----------------------------------------------------------
-    enable_lora: bool = refused_unless(
-        (False,), "LoRA adapters are not supported; merge the adapter into the weights first."
-    )
     cpu_offload_gb: float = refused_unless(
         (0,),
         "Weights are never offloaded to CPU memory; lower max_model_len or use a GPU "

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TypedDict
+
+from paged_llm.lora.request import LoRARequest
+
+__all__ = ["LoRARequest", "PromptType", "TextPrompt", "TokensPrompt"]
 
 
 class TextPrompt(TypedDict):
@@ -26,15 +29,3 @@ class TokensPrompt(_TokenIds, total=False):
 
 # What generate() takes for one prompt: text, or one of the dicts above.
 PromptType = str | TextPrompt | TokensPrompt
-
-
-@dataclass(frozen=True)
-class LoRARequest:
-    """vLLM's LoRA adapter request (``vllm.lora.request.LoRARequest``), with its field names.
-    paged_llm runs no LoRA adapters yet: `LLM.generate`, `LLM.chat` and
-    `LLMEngine.add_request` refuse one with a ValueError."""
-
-    lora_name: str
-    lora_int_id: int
-    lora_path: str = ""
-    base_model_name: str | None = None

@@ -30,7 +30,8 @@ from paged_llm.frontend.input_processor import (
     params_per_prompt,
     prompt_list,
 )
-from paged_llm.frontend.llm_engine import LLMEngine, check_no_lora
+from paged_llm.frontend.llm_engine import LLMEngine
+from paged_llm.frontend.lora_requests import lora_per_prompt
 from paged_llm.frontend.model_info import ModelInfo
 from paged_llm.frontend.stream import GenerationLock, GenerationStream
 from paged_llm.inputs import LoRARequest, PromptType, TokensPrompt
@@ -151,7 +152,7 @@ class LLM:
         use_tqdm: bool | Callable[..., tqdm] = True,
         on_error: str = "raise",
         *,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
         priority: list[int] | None = None,
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
@@ -173,7 +174,9 @@ class LLM:
                 running (its constraints leave no token) raises its `RequestError` at
                 once under "raise", cancelling the rest; under "skip" it gets an output
                 with ``error`` and ``error_parameter`` set and the others run.
-            lora_request: vLLM's LoRA adapter; only None (no LoRA here).
+            lora_request: The LoRA adapter of every prompt, or a list with one (None: the
+                base model) per prompt; needs ``enable_lora=True``. A bad adapter is that
+                request's `RequestError`.
             priority: vLLM's per-request priorities; requests run first come, first
                 served here, so every priority must be 0.
             tokenization_kwargs: Keyword arguments for the tokenizer call on text prompts
@@ -197,7 +200,7 @@ class LLM:
         use_tqdm: bool | Callable[..., tqdm] = False,
         on_error: str = "raise",
         *,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
         priority: list[int] | None = None,
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> GenerationStream:
@@ -212,13 +215,16 @@ class LLM:
         engine = self._idle_engine()
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}.")
-        check_no_lora(lora_request)
         prompts_given = prompt_list(prompts)
         params = params_per_prompt(
             sampling_params, len(prompts_given), self.get_default_sampling_params()
         )
         requests = self.processor.process(
-            prompts_given, params, priority=priority, tokenization_kwargs=tokenization_kwargs
+            prompts_given,
+            params,
+            priority=priority,
+            tokenization_kwargs=tokenization_kwargs,
+            lora_requests=lora_per_prompt(lora_request, len(prompts_given)),
         )
         if on_error == "raise":
             _raise_first_error(requests)
@@ -235,7 +241,7 @@ class LLM:
         self,
         prompts: PromptType | SequenceABC[PromptType],
         params: BeamSearchParams,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = False,
         concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
@@ -250,7 +256,8 @@ class LLM:
         Args:
             prompts: Prompts as `generate` takes them.
             params: The search's parameters, for every prompt.
-            lora_request: vLLM's LoRA adapter; only None (no LoRA here).
+            lora_request: The LoRA adapter of every prompt, or a list with one per prompt
+                (as `generate` takes it).
             use_tqdm: Show a progress bar (of sequences returned); a callable replaces
                 ``tqdm.auto.tqdm``.
             concurrency_limit: Search at most this many prompts at a time (None: all at
@@ -260,7 +267,6 @@ class LLM:
         `RequestError` naming its index.
         """
         engine = self._idle_engine()
-        check_no_lora(lora_request)
         params = self.processor.check_beam_search(params)
         if concurrency_limit is not None and not (
             isinstance(concurrency_limit, int) and concurrency_limit >= 1
@@ -269,7 +275,9 @@ class LLM:
                 f"concurrency_limit must be None or an integer >= 1, got {concurrency_limit!r}."
             )
         prompts_given = prompt_list(prompts)
-        requests = self.processor.process_beam_search(prompts_given, params)
+        requests = self.processor.process_beam_search(
+            prompts_given, params, lora_per_prompt(lora_request, len(prompts_given))
+        )
         _raise_first_error(requests)
         group = concurrency_limit or max(len(requests), 1)
         outputs = []
@@ -315,7 +323,7 @@ class LLM:
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
@@ -333,7 +341,6 @@ class LLM:
         ``{"enable_thinking": False}``) go to the template. A conversation that is
         malformed or that the template refuses raises ValueError naming it.
         """
-        check_no_lora(lora_request)
         if add_generation_prompt and continue_final_message:
             raise ValueError(
                 "add_generation_prompt and continue_final_message cannot both be True: a "
@@ -358,7 +365,7 @@ class LLM:
                 )
             except ConversationError as error:
                 raise ValueError(f"Conversation {index}{_where(error)}: {error.reason}") from error
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def render_chat(
         self,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from paged_llm.lora.request import LoRARequest
+
 
 @dataclass(slots=True)
 class Logprob:
@@ -40,14 +42,11 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # The LoRA adapter it was generated under; None: the base model.
+    lora_request: LoRARequest | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def lora_request(self) -> None:
-        """vLLM's field; always None: paged_llm has no LoRA adapters."""
-        return None
 
 
 @dataclass
@@ -131,13 +130,10 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     error: str | None = None
     error_parameter: str | None = None
+    # The LoRA adapter the request ran under; None: the base model.
+    lora_request: LoRARequest | None = None
 
     # vLLM's fields for features paged_llm does not have, so that scripts reading them run.
-    @property
-    def lora_request(self) -> None:
-        """Always None: no LoRA adapters."""
-        return None
-
     @property
     def encoder_prompt(self) -> None:
         """Always None: decoder-only models only."""

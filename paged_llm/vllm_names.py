@@ -124,12 +124,7 @@ VLLM_NAMES: tuple[VllmName, ...] = (
     VllmName("sampling_params.RequestOutputKind", "Y"),
     VllmName("inputs.TextPrompt", "Y"),
     VllmName("inputs.TokensPrompt", "Y"),
-    VllmName(
-        "lora.request.LoRARequest",
-        "differs",
-        "The request object exists; LLM.generate, LLM.chat and LLMEngine.add_request refuse "
-        "one: paged_llm runs no LoRA adapters yet.",
-    ),
+    VllmName("lora.request.LoRARequest", "Y"),
     VllmName("platforms.current_platform", "Y"),
     VllmName(
         "distributed.cleanup_dist_env_and_memory",

@@ -177,6 +177,48 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+def write_peft_adapter(
+    model_dir: Path,
+    out_dir: Path,
+    *,
+    rank: int,
+    target_modules: list[str],
+    seed: int,
+    use_rslora: bool = False,
+    lora_alpha: int = 16,
+) -> Path:
+    """A LoRA adapter of the model in ``model_dir``, written by peft itself into ``out_dir``,
+    its A and B drawn with ``INIT_STD`` so that it changes the model's greedy tokens (peft's
+    own initialisation leaves B at zero)."""
+    import peft
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=lora_alpha, target_modules=target_modules, use_rslora=use_rslora
+    )
+    adapted = peft.get_peft_model(base, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * INIT_STD / rank**0.5)
+    adapted.save_pretrained(out_dir)
+    return out_dir
+
+
+def peft_greedy(
+    model_dir: Path, adapter_dir: Path | None, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """transformers + peft greedy tokens of each prompt under the adapter (None: the base
+    model), one prompt at a time."""
+    import peft
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter_dir)
+    return [hf_greedy(model, prompt, max_new_tokens) for prompt in prompts]
+
+
 def hf_greedy(
     model: torch.nn.Module, prompt_token_ids: list[int], max_new_tokens: int
 ) -> list[int]:

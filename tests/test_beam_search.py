@@ -302,7 +302,7 @@ def test_vllm_s_call_forms(llm: LLM, eos_model_dir: Path) -> None:
             assert [s.cum_logprob for s in output.sequences] == pytest.approx(
                 [s.cum_logprob for s in reference.sequences], abs=1e-4
             )
-    with pytest.raises(ValueError, match=r"lora_request is not supported"):
+    with pytest.raises(ValueError, match=r"lora_request must be a LoRARequest"):
         llm.beam_search(PROMPTS, params, lora_request=object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"concurrency_limit must be None or an integer >= 1"):
         llm.beam_search(PROMPTS, params, concurrency_limit=0)

@@ -101,8 +101,8 @@ def test_a_value_the_flag_cannot_read_is_a_usage_error_naming_it(
 
 
 def test_a_refused_flag_parses_and_the_settings_refuse_it() -> None:
-    args = _parser().parse_args(["--enable-lora"])
-    with pytest.raises(ValueError, match="enable_lora=True is not supported by paged_llm"):
+    args = _parser().parse_args(["-pp", "2"])
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported by paged_llm"):
         EngineArgs.from_cli_args(args)
 
 

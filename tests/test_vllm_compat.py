@@ -129,7 +129,6 @@ def test_seed_none_the_uni_backend_and_a_revision_with_a_local_path_run(
 @pytest.mark.parametrize(
     ("argument", "message"),
     [
-        ({"enable_lora": True}, r"enable_lora=True is not supported by paged_llm: LoRA"),
         ({"cpu_offload_gb": 4}, r"cpu_offload_gb=4 is not supported.*never offloaded"),
         (
             {"quantization": "bitsandbytes"},
@@ -347,7 +346,7 @@ def test_generate_takes_lora_request_priority_and_tokenization_kwargs(llm: LLM) 
     assert output.prompt_token_ids == llm.get_tokenizer().encode(text)[:3]
     with pytest.raises(ValueError, match=r"Request 0: priority=1, but requests run first come"):
         llm.generate([text], GREEDY, use_tqdm=False, priority=[1])
-    with pytest.raises(ValueError, match=r"lora_request is not supported"):
+    with pytest.raises(ValueError, match=r"lora_request must be a LoRARequest"):
         llm.generate([text], GREEDY, use_tqdm=False, lora_request=object())  # type: ignore[arg-type]
 
 

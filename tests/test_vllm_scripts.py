@@ -17,8 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from paged_llm import LLM, EngineArgs, RequestOutput, SamplingParams
+from paged_llm.lora.request import LoRARequest
 from paged_llm.sampling_params import RequestOutputKind
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, peft_greedy, write_peft_adapter
 from tests.vllm_scripts.runner import run_script
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -98,11 +99,26 @@ def test_reset_prefix_cache_refuses_while_requests_hold_blocks(model: str) -> No
         assert llm.reset_prefix_cache() is True
 
 
-def test_a_lora_request_is_refused_and_the_other_requests_run(model: str) -> None:
-    run = run_script("multi_lora_engine.py", model)
-    assert "LoRA" in run["refusal"]
-    assert {output.request_id for output in run["finished"]} == {"base"}
-    assert [output.finished for output in run["finished"]] == [False] * 3 + [True]
+def test_the_multi_lora_example_runs_two_adapters_through_one_slot(
+    llama_dir: Path, tmp_path: Path, one_thread: None
+) -> None:
+    adapter = write_peft_adapter(
+        llama_dir, tmp_path / "sql", rank=8, target_modules=["q_proj", "v_proj"], seed=0
+    )
+    run = run_script("multi_lora_engine.py", str(llama_dir), str(adapter))
+    by_id = {output.request_id: output for output in run["finished"]}
+    assert sorted(by_id) == ["0", "1", "2", "3"]
+    assert [by_id[i].lora_request for i in "0123"] == [
+        None,
+        None,
+        LoRARequest("sql-lora", 1, str(adapter)),
+        LoRARequest("sql-lora2", 2, str(adapter)),
+    ]
+    prompts = [by_id[i].prompt_token_ids for i in "023"]
+    (base,) = peft_greedy(llama_dir, None, prompts[:1], 8)
+    adapted = peft_greedy(llama_dir, adapter, prompts[1:], 8)
+    assert [by_id[i].outputs[0].token_ids for i in "023"] == [base, *adapted]
+    assert adapted[0] != peft_greedy(llama_dir, None, prompts[1:2], 8)[0]
 
 
 def test_llm_engine_refuses_a_running_id_and_generate_waits_for_its_requests(

@@ -133,6 +133,7 @@ class BeamSearcher:
             sampling_params,
             time.time(),
             tokens_chosen_externally=True,
+            lora_request=request.lora_request,
         )
         root = Sequence(next(self._seq_ids), state, derive_seed(base_seed, 0), 0, grammar)
         root.num_reserved_seqs = params.beam_width - 1

@@ -129,7 +129,7 @@ class BlockManager:
         hashes = seq.block_hashes
         size = self.block_size
         for i in range(len(hashes), num_full_blocks):
-            parent = hashes[i - 1] if i else None
+            parent = hashes[i - 1] if i else seq.request.block_hash_seed
             hashes.append(hash_block_tokens(parent, seq.token_ids[i * size : (i + 1) * size]))
 
     def find_cached_prefix(

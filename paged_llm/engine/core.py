@@ -128,6 +128,7 @@ class EngineCore:
             time.time(),
             request.bad_words_token_ids,
             output_kind=request.output_kind,
+            lora_request=request.lora_request,
         )
         state.seqs = [
             Sequence(

@@ -21,6 +21,7 @@ from paged_llm.config import EngineConfig
 from paged_llm.distributed.group import TensorParallelGroup
 from paged_llm.engine.batch import HostBatch, attention_metadata, build_host_batch, to_device
 from paged_llm.engine.cuda_graphs import DecodeGraphs
+from paged_llm.engine.lora_manager import LoRAModelSlots, LoRASlotTable, LoRAStepPlan
 from paged_llm.engine.persistent_batch import LogitsProcessors
 from paged_llm.engine.sampling_metadata import build_sampling_metadata
 from paged_llm.engine.scheduler import ScheduledBatch
@@ -123,6 +124,8 @@ class StepPlan:
     logits_rows: list[np.ndarray]
     # (source, destination) cache blocks to copy before the forward writes to the cache.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # The step's LoRA adapters; None: the base model only.
+    lora: LoRAStepPlan | None = None
 
 
 @dataclass(slots=True)
@@ -201,6 +204,10 @@ class ModelRunner:
         computed by its first forward (the profile step on GPU).
         """
         self.model = load_model(self.config, self.tp)
+        # Before the cache is sized: the adapter slots take their memory first.
+        lora = self.config.lora
+        self.lora_slots = None if lora is None else LoRAModelSlots(self.model, self.config, lora)
+        self.lora_slot_table = None if lora is None else LoRASlotTable(lora.max_loras)
         self.attention_backend = get_attention_backend(self.config.attention_backend)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
@@ -372,7 +379,13 @@ class ModelRunner:
 
     def _forward(self, batch: HostBatch) -> torch.Tensor:
         """Hidden states of every token of the batch (a CUDA graph replay when one fits)."""
-        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+        # NOTE: graphs are captured without adapters, so a step with adapters runs eagerly.
+        lora_batch = None if self.lora_slots is None else self.lora_slots.state.batch
+        if (
+            self.decode_graphs is not None
+            and lora_batch is None
+            and self.decode_graphs.can_run(batch)
+        ):
             return self.decode_graphs.run(batch)
         platform = self.platform
         metadata = attention_metadata(batch, self.block_size, self.attention_backend, platform)
@@ -387,6 +400,8 @@ class ModelRunner:
         collectives, so each must consume the whole iterator."""
         if plan.block_copies:
             self._copy_blocks(plan.block_copies)
+        if self.lora_slots is not None:
+            self.lora_slots.begin_step(plan.lora)
         hidden = self._forward(plan.host)
         for rows in plan.logits_rows:
             if len(rows) == 0:
@@ -436,6 +451,7 @@ class ModelRunner:
                 ),
             ],
             batch.block_copies,
+            None if self.lora_slot_table is None else self.lora_slot_table.plan(batch),
         )
         if self.announce is not None:
             self.announce(plan)

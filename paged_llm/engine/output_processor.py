@@ -125,6 +125,7 @@ class OutputProcessor:
                 logprobs=[self._logprob_dict(raw) for raw in beam.logprobs],
                 finish_reason=beam.finish_reason.value,
                 stop_reason=beam.stop_reason,
+                lora_request=request.lora_request,
             )
             for rank, beam in enumerate(beams)
         ]
@@ -174,6 +175,7 @@ class OutputProcessor:
                     logprobs=logprobs,
                     finish_reason=seq.finish_reason.value if seq.finish_reason else None,
                     stop_reason=seq.stop_reason,
+                    lora_request=request.lora_request,
                 )
             )
         prompt_logprobs = None
@@ -209,4 +211,5 @@ def _request_output(
         num_cached_tokens=request.seqs[0].num_cached_tokens,
         metrics=request.metrics,
         prompt_logprobs=prompt_logprobs,
+        lora_request=request.lora_request,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from paged_llm.inputs import LoRARequest
 from paged_llm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
@@ -27,3 +28,5 @@ class EngineRequest:
     # What the engine reports of it while it runs: `LLMEngine.add_request` takes
     # ``params.output_kind``; `LLM`'s calls want the finished result only.
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
+    # The LoRA adapter it runs under (checked at intake); None: the base model.
+    lora_request: LoRARequest | None = None

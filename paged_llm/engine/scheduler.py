@@ -10,6 +10,12 @@ sequence needs a block and none is free, the most recently admitted running sequ
 is preempted: its blocks are freed and it waits again at the front of the queue,
 keeping its generated tokens, to be recomputed later.
 
+With LoRA adapters, the sequences running at once use at most ``max_loras`` distinct
+adapters (the base model counts as none). A waiting request whose adapter would be one too
+many is held back, in its place in the queue, while requests of adapters already running
+are admitted behind it; when the last sequence of an adapter finishes, its place goes to the
+adapter of the longest-waiting request held back, so every adapter runs in turn.
+
 A request whose next tokens an owner outside the scheduler chooses
 (``Request.tokens_chosen_externally``: the beam search of engine/beam_search.py) runs like
 any other, except at the end of a step: a sequence of it that was scored gets no token
@@ -142,7 +148,10 @@ class Scheduler:
             # Only admissions read it: a decode step with nobody waiting skips the walk.
             for seq, num_new in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
                 in_flight.update(self._completed_block_hashes(seq, num_new))
-        deferred: list[Sequence] = []
+        # Sequences passed over this step (waiting for a block in flight, or for a place
+        # for their adapter), put back in their order.
+        held_back: list[Sequence] = []
+        loras = self._running_loras()
         # NOTE: no admissions in a step that preempted: blocks are short, and a newcomer
         # would only be preempted in turn.
         while not preempted and self.waiting and budget > 0:
@@ -150,6 +159,14 @@ class Scheduler:
             num_slots = _num_slots_held(seq)
             if num_slots_taken + num_slots > self.config.max_num_seqs:
                 break
+            lora_int_id = seq.request.lora_int_id
+            if lora_int_id and lora_int_id not in loras and len(loras) == self.config.max_loras:
+                # Bounded, so that a queue of thousands of such requests is not scanned
+                # whole in one step.
+                if len(held_back) == self.config.max_num_seqs:
+                    break
+                held_back.append(self.waiting.popleft())
+                continue
             # NOTE: cached blocks have no logits, so a prompt still owing prompt logprobs is
             # computed from the first position whose logits it needs.
             needs_logits = seq.index == 0 and seq.request.needs_prompt_logprobs
@@ -158,11 +175,9 @@ class Scheduler:
             )
             num_hits = len(cached_prefix)
             if num_hits < len(seq.block_hashes) and seq.block_hashes[num_hits] in in_flight:
-                # Bounded, so that a queue of thousands sharing one prefix is not scanned
-                # whole in one step.
-                if len(deferred) == self.config.max_num_seqs:
+                if len(held_back) == self.config.max_num_seqs:
                     break
-                deferred.append(self.waiting.popleft())
+                held_back.append(self.waiting.popleft())
                 continue
             num_cached = num_hits * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
@@ -177,12 +192,20 @@ class Scheduler:
                 seq.num_cached_tokens = num_cached
                 seq.metrics.first_scheduled_time = time.time()
             self.running.append(seq)
+            if lora_int_id:
+                loras.add(lora_int_id)
             num_slots_taken += num_slots
             batch.add(seq, num_new)
             budget -= num_new
             in_flight.update(self._completed_block_hashes(seq, num_new))
-        self.waiting.extendleft(reversed(deferred))
+        self.waiting.extendleft(reversed(held_back))
         return batch
+
+    def _running_loras(self) -> set[int]:
+        """The adapters of the sequences holding places (running or paused)."""
+        if self.config.max_loras is None:
+            return set()
+        return {seq.request.lora_int_id for seq in (*self.running, *self.paused)} - {0}
 
     def _completed_block_hashes(self, seq: Sequence, num_new: int) -> list[BlockHash]:
         """The hashes, where known yet, of the blocks that ``num_new`` more computed tokens

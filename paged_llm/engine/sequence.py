@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
+from paged_llm.inputs import LoRARequest
 from paged_llm.outputs import RequestMetrics
 from paged_llm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -47,6 +48,8 @@ class Request:
 
     __slots__ = (
         "bad_words_token_ids",
+        "block_hash_seed",
+        "lora_request",
         "metrics",
         "output_kind",
         "prompt",
@@ -68,8 +71,15 @@ class Request:
         bad_words_token_ids: list[list[int]] | None = None,
         tokens_chosen_externally: bool = False,
         output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
+        self.lora_request = lora_request
+        # Where the chain of its blocks' hashes starts: KV computed under one adapter is
+        # never shared with a request under another one (or under the base model).
+        self.block_hash_seed = (
+            None if lora_request is None else b"lora:%d" % lora_request.lora_int_id
+        )
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
@@ -92,6 +102,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id; 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def needs_prompt_logprobs(self) -> bool:

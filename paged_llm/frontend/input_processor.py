@@ -6,8 +6,8 @@ Ray Data, lm-eval) comes through `InputProcessor.process`: it tokenizes text pro
 batched call, checks each prompt against the model (non-empty, within max_model_len, ids
 in the vocabulary) and each request's params against the engine (n within max_num_seqs,
 logprobs within max_logprobs, a tokenizer for stop strings and bad words, a grammar that
-parses, the custom logits processors' `validate_params`), and tokenizes bad words. A new
-request field is validated here, once.
+parses, the custom logits processors' `validate_params`, a LoRA adapter that the engine can
+serve), and tokenizes bad words. A new request field is validated here, once.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from transformers import PreTrainedTokenizerBase
 from paged_llm.config import EngineConfig
 from paged_llm.engine.request import EngineRequest
 from paged_llm.exceptions import RequestError, VLLMValidationError
+from paged_llm.frontend.lora_requests import LoRARequestChecker, lora_per_prompt
 from paged_llm.frontend.model_info import ModelInfo
-from paged_llm.inputs import PromptType
+from paged_llm.inputs import LoRARequest, PromptType
 from paged_llm.sampling_params import BeamSearchParams, SamplingParams
 from paged_llm.structured_outputs.params import StructuredOutputsParams
 from paged_llm.structured_outputs.xgrammar_backend import build_grammar
@@ -105,6 +106,7 @@ class InputProcessor:
         self.eos_token_ids = model.eos_token_ids
         self.config = config
         self._request_ids = itertools.count()
+        self._lora_checker = LoRARequestChecker(config)
 
     def process(
         self,
@@ -113,30 +115,38 @@ class InputProcessor:
         *,
         priority: list[int] | None = None,
         tokenization_kwargs: dict[str, Any] | None = None,
+        lora_requests: SequenceABC[LoRARequest | None] | None = None,
     ) -> list[ProcessedRequest]:
-        """Each prompt with its `SamplingParams` as an `EngineRequest`, or as a
-        `RejectedRequest` whose `RequestError` names its index, the parameter at fault and
-        the reason."""
-        return self._process(prompts, params, self._sampling_request, priority, tokenization_kwargs)
+        """Each prompt with its `SamplingParams` (and adapter, from ``lora_requests``) as an
+        `EngineRequest`, or as a `RejectedRequest` whose `RequestError` names its index, the
+        parameter at fault and the reason."""
+        return self._process(
+            prompts, params, self._sampling_request, priority, tokenization_kwargs, lora_requests
+        )
 
     def process_beam_search(
-        self, prompts: list[Any], params: BeamSearchParams
+        self,
+        prompts: list[Any],
+        params: BeamSearchParams,
+        lora_requests: SequenceABC[LoRARequest | None] | None = None,
     ) -> list[ProcessedRequest]:
         """Each prompt as a beam search with ``params`` (checked once, by
         `check_beam_search`), or as a `RejectedRequest`."""
         return self._process(
-            prompts, [params] * len(prompts), self._beam_search_request, None, None
+            prompts, [params] * len(prompts), self._beam_search_request, None, None, lora_requests
         )
 
     def _process(
         self,
         prompts: list[Any],
         params: SequenceABC[object],
-        make_request: Callable[[_Prompt, Any], EngineRequest],
+        make_request: Callable[[_Prompt, Any, LoRARequest | None], EngineRequest],
         priority: list[int] | None,
         tokenization_kwargs: dict[str, Any] | None,
+        lora_requests: SequenceABC[LoRARequest | None] | None,
     ) -> list[ProcessedRequest]:
         priorities = _priorities(priority, len(prompts))
+        loras = lora_per_prompt(lora_requests, len(prompts))
         if tokenization_kwargs is not None and not isinstance(tokenization_kwargs, dict):
             raise ValueError(
                 "tokenization_kwargs must be a dict of tokenizer arguments or None, got "
@@ -166,7 +176,8 @@ class InputProcessor:
                         parameter="priority",
                         value=priorities[index],
                     )
-                processed.append(make_request(entry, request_params))
+                self._lora_checker.check(loras[index])
+                processed.append(make_request(entry, request_params, loras[index]))
             except ValueError as error:
                 processed.append(
                     RejectedRequest(
@@ -201,7 +212,9 @@ class InputProcessor:
             )
         return encoded
 
-    def _sampling_request(self, prompt: _Prompt, params: object) -> EngineRequest:
+    def _sampling_request(
+        self, prompt: _Prompt, params: object, lora_request: LoRARequest | None
+    ) -> EngineRequest:
         if not isinstance(params, SamplingParams):
             raise RequestError(
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}.",
@@ -213,12 +226,25 @@ class InputProcessor:
         bad_words_token_ids = self._bad_words_token_ids(params)
         self._check_allowed_token_ids(params, bad_words_token_ids)
         return EngineRequest(
-            prompt.request_id, prompt.text, prompt.token_ids, params, bad_words_token_ids
+            prompt.request_id,
+            prompt.text,
+            prompt.token_ids,
+            params,
+            bad_words_token_ids,
+            lora_request=lora_request,
         )
 
-    def _beam_search_request(self, prompt: _Prompt, params: BeamSearchParams) -> EngineRequest:
+    def _beam_search_request(
+        self, prompt: _Prompt, params: BeamSearchParams, lora_request: LoRARequest | None
+    ) -> EngineRequest:
         self._check_prompt(prompt.token_ids)
-        return EngineRequest(prompt.request_id, prompt.text, prompt.token_ids, params)
+        return EngineRequest(
+            prompt.request_id,
+            prompt.text,
+            prompt.token_ids,
+            params,
+            lora_request=lora_request,
+        )
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         """A prompt runs when it has at least one token, leaves room for one generated token

@@ -116,10 +116,10 @@ class LLMEngine:
         Raises a `RequestError` (a ValueError) for a request the engine cannot run (the
         same checks as `LLM.generate`), and ValueError for an ``request_id`` that is still
         unfinished. ``arrival_time`` and ``trace_headers`` are accepted for vLLM's
-        signature and not used; ``lora_request`` must be None.
+        signature and not used. ``lora_request`` runs the request under that adapter
+        (``enable_lora=True``).
         """
         engine = self.live_engine()
-        check_no_lora(lora_request)
         if arrival_time is not None and not isinstance(arrival_time, (int, float)):
             raise ValueError(f"arrival_time must be a number of seconds, got {arrival_time!r}.")
         if not isinstance(request_id, str):
@@ -134,7 +134,11 @@ class LLMEngine:
                 "generation requests (beam search is LLM.beam_search)."
             )
         (processed,) = self.processor.process(
-            [prompt], [params], priority=[priority], tokenization_kwargs=tokenization_kwargs
+            [prompt],
+            [params],
+            priority=[priority],
+            tokenization_kwargs=tokenization_kwargs,
+            lora_requests=[lora_request],
         )
         if isinstance(processed, RejectedRequest):
             raise processed.error
@@ -219,12 +223,3 @@ class LLMEngine:
             self.engine_core.shutdown()
             self.engine_core = None
         self._unfinished.clear()
-
-
-def check_no_lora(lora_request: LoRARequest | None) -> None:
-    """Refuse a LoRA adapter: paged_llm runs none yet."""
-    if lora_request is not None:
-        raise ValueError(
-            "lora_request is not supported: paged_llm has no LoRA adapters (see enable_lora); "
-            "merge the adapter into the weights and load that model, or pass None."
-        )

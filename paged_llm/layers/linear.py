@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paged_llm.distributed.group import TensorParallelGroup
+from paged_llm.layers.lora import LoRAShard, LoRASlots
 from paged_llm.layers.quantization import QuantizedLinearMethod
 from paged_llm.layers.quantization.grouped_weight import GroupQuantizedWeight
 from paged_llm.layers.weights import CheckpointPart, CheckpointTensor
@@ -71,6 +72,8 @@ class Linear(nn.Linear):
     float32_gemm: bool = False
     # False for a layer whose weight is only looked up (the embedding): nothing to pack.
     multiplies: ClassVar[bool] = True
+    # The LoRA adapters added to its output, where the engine serves adapters.
+    lora: LoRASlots | None = None
 
     def __init__(
         self,
@@ -97,6 +100,10 @@ class Linear(nn.Linear):
         does not fit."""
         loaded.check_shape((self.out_features, self.in_features))
         return CheckpointPart(None, None, slice(None))
+
+    def lora_shard(self) -> LoRAShard:
+        """What this rank keeps of an adapter of this projection."""
+        return LoRAShard(((0, self.out_features),), (0, self.in_features))
 
     def load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard: int | None) -> None:
         if param is self.weight:
@@ -135,11 +142,16 @@ class Linear(nn.Linear):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.row_tile is None:
-            return self._matmul_call(x, bias)
-        tile = self.row_tile
-        num_rows = x.shape[0]
-        padded = F.pad(x, (0, 0, 0, -num_rows % tile))
-        return torch.cat([self._matmul_call(rows, bias) for rows in padded.split(tile)])[:num_rows]
+            out = self._matmul_call(x, bias)
+        else:
+            tile = self.row_tile
+            num_rows = x.shape[0]
+            padded = F.pad(x, (0, 0, 0, -num_rows % tile))
+            out = torch.cat([self._matmul_call(rows, bias) for rows in padded.split(tile)])
+            out = out[:num_rows]
+        if self.lora is not None:
+            self.lora.add_to(out, x)
+        return out
 
     def _matmul_call(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant_method is not None:
@@ -278,6 +290,11 @@ class PackedLinear(Linear):
     def num_checkpoint_shards(self) -> int:
         return len(self.shards)
 
+    def lora_shard(self) -> LoRAShard:
+        return LoRAShard(
+            tuple((shard.start, shard.size) for shard in self.shards), (0, self.in_features)
+        )
+
     def checkpoint_part(self, loaded: CheckpointTensor, shard: int | None) -> CheckpointPart:
         return self._part(loaded, shard, (self.in_features,))
 
@@ -318,6 +335,11 @@ class RowParallelLinear(Linear):
     ) -> None:
         super().__init__(in_features // tp.size, out_features, bias, quant_method)
         self.tp = tp
+
+    def lora_shard(self) -> LoRAShard:
+        return LoRAShard(
+            ((0, self.out_features),), (self.tp.rank * self.in_features, self.in_features)
+        )
 
     def checkpoint_part(self, loaded: CheckpointTensor, shard: int | None) -> CheckpointPart:
         loaded.check_shape((self.out_features, self.in_features * self.tp.size))
