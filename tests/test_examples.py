@@ -96,3 +96,22 @@ def test_structured_dataset_writes_schema_valid_records(model: str, tmp_path: Pa
     assert len(records) == written >= 1
     for record in records:
         jsonschema.validate({k: v for k, v in record.items() if k != "id"}, SCHEMA)
+
+
+def test_lora_eval_scores_each_adapter_and_the_base_model(llama_dir: Path, tmp_path: Path) -> None:
+    from tests.conftest import write_peft_adapter
+
+    adapters = [
+        f"{name}={write_peft_adapter(llama_dir, tmp_path / name, rank=8, target_modules=targets, seed=seed)}"
+        for seed, (name, targets) in enumerate(
+            [("qv", ["q_proj", "v_proj"]), ("mlp", ["down_proj"])]
+        )
+    ]
+    out = run_example(
+        "lora_eval.py",
+        *("--model", str(llama_dir), "--max-tokens", "4", "--max-model-len", "128"),
+        *(arg for adapter in adapters for arg in ("--adapter", adapter)),
+    )
+    scores = re.findall(r"^(.+): (\d)/8 answered$", out, re.MULTILINE)
+    assert [name for name, _ in scores] == ["qv", "mlp", "base model"]
+    assert "24 requests under 2 adapters and the base model" in out

@@ -25,7 +25,9 @@ ADAPTERS = [
 ]
 
 
-def _prompts(num: int, seed: int = 0, lengths: tuple[int, ...] = (5, 23, 9, 40, 3, 17)) -> list:
+def token_prompts(
+    num: int, seed: int = 0, lengths: tuple[int, ...] = (5, 23, 9, 40, 3, 17)
+) -> list:
     generator = torch.Generator().manual_seed(seed)
     return [
         torch.randint(100, 40000, (lengths[i % len(lengths)],), generator=generator).tolist()
@@ -33,11 +35,11 @@ def _prompts(num: int, seed: int = 0, lengths: tuple[int, ...] = (5, 23, 9, 40, 
     ]
 
 
-def _inputs(prompts: list[list[int]]) -> list[dict]:
+def as_inputs(prompts: list[list[int]]) -> list[dict]:
     return [{"prompt_token_ids": prompt} for prompt in prompts]
 
 
-def _greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
@@ -70,7 +72,7 @@ def adapters(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.Tem
     return make
 
 
-def _expected(
+def expected_tokens(
     model_dir: Path, prompts: list[list[int]], loras: list[LoRARequest | None], max_tokens: int
 ) -> list[list[int]]:
     """peft's tokens for each prompt under its adapter, one adapter (and prompt) at a time."""
@@ -94,11 +96,11 @@ def test_a_mixed_batch_of_more_adapters_than_slots_equals_peft(
 ) -> None:
     model_dir = tiny_model_dir(arch)
     loras = [*adapters(arch), None]
-    prompts = _prompts(8)
+    prompts = token_prompts(8)
     assigned = [loras[i % len(loras)] for i in range(len(prompts))]
     with LLM(model_dir, max_model_len=128, enable_lora=True, max_loras=2) as llm:
-        outputs = llm.generate(_inputs(prompts), _greedy(), use_tqdm=False, lora_request=assigned)
-    assert [o.outputs[0].token_ids for o in outputs] == _expected(
+        outputs = llm.generate(as_inputs(prompts), greedy(), use_tqdm=False, lora_request=assigned)
+    assert [o.outputs[0].token_ids for o in outputs] == expected_tokens(
         model_dir, prompts, assigned, MAX_TOKENS
     )
     assert [o.lora_request for o in outputs] == assigned
@@ -109,7 +111,7 @@ def test_chunked_prefill_and_preemption_change_nothing(
     llama_dir: Path, adapters: Callable, one_thread: None
 ) -> None:
     loras = [*adapters("llama"), None]
-    prompts = _prompts(8, seed=1, lengths=(30, 45, 12, 50))
+    prompts = token_prompts(8, seed=1, lengths=(30, 45, 12, 50))
     assigned = [loras[i % len(loras)] for i in range(len(prompts))]
     # 8 KiB blocks: 8 of them cannot hold four growing sequences, and 16-token steps chunk
     # every longer prompt; one adapter slot makes the adapters take turns.
@@ -123,9 +125,13 @@ def test_chunked_prefill_and_preemption_change_nothing(
         max_loras=1,
         max_cpu_loras=1,
     ) as llm:
-        outputs = llm.generate(_inputs(prompts), _greedy(12), use_tqdm=False, lora_request=assigned)
+        outputs = llm.generate(
+            as_inputs(prompts), greedy(12), use_tqdm=False, lora_request=assigned
+        )
         assert llm.get_engine_metrics().num_preemptions > 0
-    assert [o.outputs[0].token_ids for o in outputs] == _expected(llama_dir, prompts, assigned, 12)
+    assert [o.outputs[0].token_ids for o in outputs] == expected_tokens(
+        llama_dir, prompts, assigned, 12
+    )
 
 
 def test_the_prefix_cache_never_shares_kv_between_adapters(
@@ -133,15 +139,19 @@ def test_the_prefix_cache_never_shares_kv_between_adapters(
 ) -> None:
     # The second adapter touches k and v: KV cached under the base model is wrong for it.
     lora = adapters("llama")[1]
-    (shared,) = _prompts(1, seed=2, lengths=(70,))
+    (shared,) = token_prompts(1, seed=2, lengths=(70,))
     prompts = [[*shared, 500 + i] for i in range(3)]
     with LLM(llama_dir, max_model_len=128, enable_lora=True) as llm:
-        base = llm.generate(_inputs(prompts[:1]), _greedy(), use_tqdm=False)[0]
-        first = llm.generate(_inputs(prompts[1:2]), _greedy(), use_tqdm=False, lora_request=lora)[0]
-        second = llm.generate(_inputs(prompts[2:]), _greedy(), use_tqdm=False, lora_request=lora)[0]
+        base = llm.generate(as_inputs(prompts[:1]), greedy(), use_tqdm=False)[0]
+        first = llm.generate(as_inputs(prompts[1:2]), greedy(), use_tqdm=False, lora_request=lora)[
+            0
+        ]
+        second = llm.generate(as_inputs(prompts[2:]), greedy(), use_tqdm=False, lora_request=lora)[
+            0
+        ]
     assert first.num_cached_tokens == 0
     assert second.num_cached_tokens == 64
-    expected = _expected(llama_dir, prompts, [None, lora, lora], MAX_TOKENS)
+    expected = expected_tokens(llama_dir, prompts, [None, lora, lora], MAX_TOKENS)
     assert [base.outputs[0].token_ids, first.outputs[0].token_ids] == expected[:2]
     assert second.outputs[0].token_ids == expected[2]
 
@@ -151,12 +161,14 @@ def test_a_seeded_request_draws_the_same_tokens_alone_and_among_other_adapters(
 ) -> None:
     loras = adapters("llama")
     seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=10, ignore_eos=True, n=2)
-    prompts = _prompts(4, seed=3)
+    prompts = token_prompts(4, seed=3)
     with LLM(llama_dir, max_model_len=128, enable_lora=True, max_loras=3) as llm:
-        (alone,) = llm.generate(_inputs(prompts[:1]), seeded, use_tqdm=False, lora_request=loras[0])
+        (alone,) = llm.generate(
+            as_inputs(prompts[:1]), seeded, use_tqdm=False, lora_request=loras[0]
+        )
         batched = llm.generate(
-            _inputs(prompts),
-            [seeded, _greedy(), _greedy(), _greedy()],
+            as_inputs(prompts),
+            [seeded, greedy(), greedy(), greedy()],
             use_tqdm=False,
             lora_request=[loras[0], loras[1], None, loras[2]],
         )
@@ -169,7 +181,7 @@ def test_beam_search_and_chat_take_an_adapter(
     from paged_llm.sampling_params import BeamSearchParams
 
     lora = adapters("llama")[1]
-    prompt = _prompts(1, seed=4)[0]
+    prompt = token_prompts(1, seed=4)[0]
     with LLM(llama_dir, max_model_len=128, enable_lora=True) as llm:
         (adapted,) = llm.beam_search(
             [{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=1, max_tokens=6), lora
@@ -178,11 +190,12 @@ def test_beam_search_and_chat_take_an_adapter(
             [{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=1, max_tokens=6)
         )
         chat = llm.chat(
-            [{"role": "user", "content": "hi"}], _greedy(), use_tqdm=False, lora_request=lora
+            [{"role": "user", "content": "hi"}], greedy(), use_tqdm=False, lora_request=lora
         )
     # A width-1 beam search is greedy.
     assert (
-        adapted.sequences[0].tokens[len(prompt) :] == _expected(llama_dir, [prompt], [lora], 6)[0]
+        adapted.sequences[0].tokens[len(prompt) :]
+        == expected_tokens(llama_dir, [prompt], [lora], 6)[0]
     )
     assert adapted.sequences[0].tokens != plain.sequences[0].tokens
     assert chat[0].lora_request == lora
@@ -196,8 +209,8 @@ def test_bad_adapters_are_the_errors_of_their_requests(
     missing = LoRARequest("missing", 9, str(tmp_path / "nowhere"))
     with LLM(llama_dir, max_model_len=64, enable_lora=True, max_lora_rank=8) as llm:
         outputs = llm.generate(
-            _inputs(_prompts(3)),
-            _greedy(4),
+            as_inputs(token_prompts(3)),
+            greedy(4),
             use_tqdm=False,
             on_error="skip",
             lora_request=[good, wide, missing],
@@ -207,17 +220,22 @@ def test_bad_adapters_are_the_errors_of_their_requests(
         assert "nowhere" in outputs[2].error
         with pytest.raises(RequestError, match=r"Request 1: .*max_lora_rank"):
             llm.generate(
-                _inputs(_prompts(2)), _greedy(4), use_tqdm=False, lora_request=[good, wide]
+                as_inputs(token_prompts(2)), greedy(4), use_tqdm=False, lora_request=[good, wide]
             )
         renamed = LoRARequest("renamed", good.lora_int_id, wide.lora_path)
         with pytest.raises(RequestError, match="own lora_int_id"):
-            llm.generate(_inputs(_prompts(1)), _greedy(4), use_tqdm=False, lora_request=renamed)
+            llm.generate(
+                as_inputs(token_prompts(1)), greedy(4), use_tqdm=False, lora_request=renamed
+            )
 
 
 def test_an_adapter_needs_enable_lora(llm: LLM, adapters: Callable) -> None:
     with pytest.raises(RequestError, match="enable_lora=True"):
         llm.generate(
-            _inputs(_prompts(1)), _greedy(4), use_tqdm=False, lora_request=adapters("llama")[0]
+            as_inputs(token_prompts(1)),
+            greedy(4),
+            use_tqdm=False,
+            lora_request=adapters("llama")[0],
         )
 
 
