@@ -59,7 +59,8 @@ class Platform:
     # Capabilities; a subclass declares them, callers only read them.
     decode_graph_mode: ClassVar[DecodeGraphMode] = DecodeGraphMode.NONE
     elementwise_kernels: ClassVar[ElementwiseKernels] = ElementwiseKernels.TORCH
-    # Quantized linear layers multiply through csrc_triton's kernels (else torch's ops).
+    # Quantized linear layers multiply, and LoRA adapters add, through csrc_triton's
+    # kernels (else torch's ops).
     triton_linear: ClassVar[bool] = False
     default_attention_backend: ClassVar[str] = "torch"
     # torch.distributed backend of the tensor-parallel group.

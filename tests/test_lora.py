@@ -242,3 +242,33 @@ def test_an_adapter_needs_enable_lora(llm: LLM, adapters: Callable) -> None:
 def test_lora_ids_start_at_one() -> None:
     with pytest.raises(ValueError, match="id must be > 0"):
         LoRARequest("base", 0, "somewhere")
+
+
+def test_the_gpu_path_adds_adapters_with_the_triton_kernels(
+    llama_dir: Path, adapters: Callable, one_thread: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CUDA's start-up and batching over CPU tensors, kernels under the Triton interpreter:
+    the adapters go through csrc_triton's shrink and expand."""
+    import csrc_triton
+    from tests.fake_gpu import FakeGpuPlatform
+
+    calls = []
+    shrink = csrc_triton.lora_shrink
+    monkeypatch.setattr(csrc_triton, "lora_shrink", lambda *a: calls.append(1) or shrink(*a))
+    loras = [*adapters("llama")[:2], None]
+    prompts = token_prompts(3, seed=6)
+    with LLM(
+        llama_dir,
+        device=FakeGpuPlatform(),
+        dtype="float32",
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        enable_lora=True,
+        max_loras=2,
+    ) as llm:
+        outputs = llm.generate(as_inputs(prompts), greedy(4), use_tqdm=False, lora_request=loras)
+    assert calls
+    assert [o.outputs[0].token_ids for o in outputs] == expected_tokens(
+        llama_dir, prompts, loras, 4
+    )

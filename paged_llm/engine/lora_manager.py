@@ -21,7 +21,6 @@ from torch import nn
 from paged_llm.config import EngineConfig, LoRAConfig
 from paged_llm.engine.scheduler import ScheduledBatch
 from paged_llm.inputs import LoRARequest
-from paged_llm.layers.kernels import ElementwiseKernels
 from paged_llm.layers.linear import Linear
 from paged_llm.layers.lora import LoRABatch, LoRASlots, LoRAState
 from paged_llm.model_files.lora_adapter import (
@@ -96,9 +95,7 @@ class LoRAModelSlots:
     def __init__(self, model: nn.Module, config: EngineConfig, lora: LoRAConfig) -> None:
         self.config = config
         self.lora = lora
-        self.state = LoRAState(
-            use_triton=config.platform.elementwise_kernels is ElementwiseKernels.TRITON
-        )
+        self.state = LoRAState(use_triton=config.platform.triton_linear)
         self.packed_modules: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
         self.slots: dict[str, LoRASlots] = {}
         for name, module in adapted_projections(model).items():
