@@ -272,3 +272,43 @@ def test_the_gpu_path_adds_adapters_with_the_triton_kernels(
     assert [o.outputs[0].token_ids for o in outputs] == expected_tokens(
         llama_dir, prompts, loras, 4
     )
+
+
+def test_logprobs_are_the_adapted_models_and_structured_outputs_apply(
+    llama_dir: Path, adapters: Callable, one_thread: None
+) -> None:
+    import peft
+    import transformers
+
+    from paged_llm import StructuredOutputsParams
+
+    lora = adapters("llama")[1]
+    (prompt,) = token_prompts(1, seed=7, lengths=(20,))
+    choices = ["alpha", "beta", "gamma"]
+    with LLM(llama_dir, max_model_len=64, enable_lora=True) as llm:
+        (scored,) = llm.generate(
+            as_inputs([prompt]),
+            SamplingParams(max_tokens=1, prompt_logprobs=0),
+            use_tqdm=False,
+            lora_request=lora,
+        )
+        chosen = llm.generate(
+            ["Pick one:"] * 3,
+            SamplingParams(
+                temperature=1.0, seed=0, structured_outputs=StructuredOutputsParams(choice=choices)
+            ),
+            use_tqdm=False,
+            lora_request=[lora, None, adapters("llama")[0]],
+        )
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(base, lora.lora_path)
+    with torch.no_grad():
+        expected = torch.log_softmax(adapted(torch.tensor([prompt])).logits[0], dim=-1)
+    ours = [
+        entry[token].logprob
+        for entry, token in zip(scored.prompt_logprobs[1:], prompt[1:], strict=True)
+    ]
+    torch.testing.assert_close(
+        torch.tensor(ours), expected[torch.arange(len(prompt) - 1), prompt[1:]], atol=1e-4, rtol=0
+    )
+    assert all(output.outputs[0].text in choices for output in chosen)
