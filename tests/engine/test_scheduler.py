@@ -9,6 +9,7 @@ from paged_llm.config import SchedulerConfig
 from paged_llm.engine.block_manager import BlockManager
 from paged_llm.engine.scheduler import ScheduledBatch, Scheduler
 from paged_llm.engine.sequence import Sequence, SequenceStatus
+from paged_llm.lora.request import LoRARequest
 from tests.engine.helpers import make_seq
 
 EOS = 2
@@ -24,18 +25,24 @@ def make_scheduler(
     max_model_len: int = 64,
     prefix_caching: bool = True,
     chunked_prefill: bool = True,
+    max_loras: int | None = None,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         chunked_prefill=chunked_prefill,
+        max_loras=max_loras,
     )
     return Scheduler(config, BlockManager(num_blocks, block_size, prefix_caching), frozenset({EOS}))
 
 
-def make_prompt_seq(num_prompt_tokens: int, **params: object) -> Sequence:
-    return make_seq([10 + (i % 50) for i in range(num_prompt_tokens)], **params)
+def make_prompt_seq(
+    num_prompt_tokens: int, lora_request: LoRARequest | None = None, **params: object
+) -> Sequence:
+    return make_seq(
+        [10 + (i % 50) for i in range(num_prompt_tokens)], lora_request=lora_request, **params
+    )
 
 
 def step(scheduler: Scheduler, token: int = FILLER) -> tuple[ScheduledBatch, list[Sequence]]:
@@ -274,3 +281,21 @@ def test_every_request_finishes_within_limits_and_leaks_nothing(
     bm = scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     assert all(block.ref_count == 0 for block in bm.blocks)
+
+
+def test_requests_of_adapters_without_a_place_wait_in_their_order() -> None:
+    """max_loras=1: the adapter running first takes its later requests along; the others
+    wait, keeping their order, and get the place in turn once it frees."""
+    scheduler = make_scheduler(max_loras=1)
+    adapters = {name: LoRARequest(name, i + 1, name) for i, name in enumerate("abc")}
+    order = ["a", "b", None, "a", "c", "b"]
+    seqs = [make_prompt_seq(4, max_tokens=2, lora_request=adapters.get(name)) for name in order]
+    for seq in seqs:
+        scheduler.add(seq)
+    admitted: list[str | None] = []
+    while scheduler.has_unfinished():
+        batch, _ = step(scheduler)
+        running = {seq.request.lora_int_id for seq in scheduler.running} - {0}
+        assert len(running) <= 1
+        admitted += [order[seqs.index(seq)] for seq in batch.seqs if seq.num_output_tokens == 1]
+    assert admitted == ["a", None, "a", "b", "b", "c"]
