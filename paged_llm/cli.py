@@ -11,8 +11,11 @@ disk, hold ``<output>.lock`` while they run, and with ``--resume`` repair a torn
 and run only the ids not yet written (`paged_llm.jobs.output`); a symlinked ``--output`` is
 followed to its file (`paged_llm.jobs.runner.run_job`). Every `EngineArgs` field is a flag
 of both (`EngineArgs.add_cli_args`), and the parser reads vLLM's spellings
-(`FlexibleArgumentParser`). Exit codes: 0 done, 1 an error of the model or its settings, 2 a
-problem with the input or output files, 130 interrupted.
+(`FlexibleArgumentParser`). LoRA adapters are registered by name, ``--lora NAME=PATH``
+(``--lora-modules``, vLLM's spelling, in ``run-batch``): a row's ``"lora"`` or a batch body's
+``"model"`` selects one (`paged_llm.jobs.lora_modules`). Exit codes: 0 done, 1 an error of the
+model or its settings, 2 a problem with the input or output files or a usage error, 130
+interrupted.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from paged_llm.engine_args import EngineArgs
+from paged_llm.jobs.lora_modules import LoRAModules
 from paged_llm.jobs.rows import JobError
 from paged_llm.jobs.runner import DEFAULT_MAX_TOKENS, JobSpec, run_batch_job, run_generate_job
 from paged_llm.settings import FlexibleArgumentParser
@@ -82,6 +86,12 @@ def build_parser() -> FlexibleArgumentParser:
     sampling.add_argument(
         "--ignore-eos", action="store_true", default=None, help="generate past EOS"
     )
+    _add_lora_options(
+        gen,
+        ("--lora", "--lora-modules"),
+        'register a LoRA adapter (a PEFT folder) under NAME, for the rows whose "lora" names '
+        "it (rows without one run on the base model)",
+    )
     _add_cluster_options(gen)
     _add_output_options(gen)
     _add_engine_options(gen)
@@ -99,6 +109,13 @@ def build_parser() -> FlexibleArgumentParser:
         ),
     )
     _add_file_options(batch, "batch input JSONL", "batch output JSONL")
+    _add_lora_options(
+        batch,
+        ("--lora-modules", "--lora"),
+        'serve a LoRA adapter (a PEFT folder) as the model NAME: a body whose "model" is NAME '
+        "runs under it, one whose model is the served model's name (or that has none) on the "
+        "base model, as vllm serve --lora-modules",
+    )
     _add_output_options(batch)
     _add_engine_options(batch)
 
@@ -125,6 +142,58 @@ def _add_file_options(parser: argparse.ArgumentParser, input_help: str, output_h
         action="store_true",
         help="continue an existing output: skip what it holds, repair a torn last line",
     )
+
+
+def _add_lora_options(
+    parser: argparse.ArgumentParser, flags: tuple[str, str], help_text: str
+) -> None:
+    # NOTE: one or more values per flag (vllm serve's --lora-modules A=X B=Y) and the flag
+    # repeatable (--lora A=X --lora B=Y) alike; errors about the adapters name flags[0].
+    parser.set_defaults(lora_flag=flags[0])
+    parser.add_argument_group("LoRA adapters").add_argument(
+        *flags,
+        dest="lora_modules",
+        nargs="+",
+        action=_LoRAModulesAction,
+        type=_lora_module,
+        metavar="NAME=PATH",
+        help=f"{help_text}. Repeatable; turns on --enable-lora; ids 1, 2, ... in the order "
+        "given (--max-loras adapters run at a time, each of rank <= --max-lora-rank).",
+    )
+
+
+def _lora_module(value: str) -> tuple[str, str]:
+    """``NAME=PATH`` -> (name, path), the form of --lora and --lora-modules."""
+    name, equals, path = value.partition("=")
+    if not (name and equals and path):
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=PATH (the adapter's name, '=', its PEFT folder), got {value!r}"
+        )
+    return name, path
+
+
+class _LoRAModulesAction(argparse.Action):
+    """Collects ``NAME=PATH`` values into one name -> path dict, in the order given, and
+    refuses a name given twice."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        assert isinstance(values, list)  # nargs="+": the (name, path) of each NAME=PATH
+        modules: dict[str, str] = dict(getattr(namespace, self.dest) or {})
+        for name, path in values:
+            if name in modules:
+                raise argparse.ArgumentError(
+                    self,
+                    f"adapter name {name!r} is given twice ({modules[name]!r} and {path!r}); "
+                    "give each adapter its own name",
+                )
+            modules[name] = path
+        setattr(namespace, self.dest, modules)
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -227,6 +296,7 @@ def _job_spec(args: argparse.Namespace) -> JobSpec:
         resume=args.resume,
         progress=not args.no_progress,
         sampling=sampling,
+        lora_modules=LoRAModules(args.lora_modules or {}, f"{args.lora_flag} NAME=PATH"),
     )
 
 

@@ -12,6 +12,7 @@ import pytest
 from paged_llm import cli
 from paged_llm.cli import main
 from paged_llm.jobs.runner import JobSpec
+from paged_llm.lora.request import LoRARequest
 from paged_llm.settings import parse_bytes
 from tests.jobs.files import engine_args, read_rows, write_jsonl
 
@@ -82,6 +83,52 @@ def test_a_jobs_engine_arguments_are_the_flags_that_change_a_default(
     (spec,) = specs
     assert (spec.model, spec.seed, spec.engine_kwargs) == ("tiny", 7, {"max_model_len": 64})
     assert spec.llm_kwargs() == {"seed": 7, "max_model_len": 64}
+
+
+@pytest.mark.parametrize(
+    ("command", "flag", "alias"),
+    [("generate", "--lora", "--lora-modules"), ("run-batch", "--lora-modules", "--lora")],
+)
+def test_lora_flags_register_adapters_by_name_with_ids_in_the_order_given(
+    command: str, flag: str, alias: str
+) -> None:
+    argv = [command, "-i", "in.jsonl", "-o", "out.jsonl", "-m", "tiny", "--max-loras", "2"]
+    # One or more NAME=PATH per flag (vllm serve's form), the flag repeated, and its alias;
+    # a path may hold "=".
+    argv += [flag, "b=/adapters/b", "a=/adapters/a", alias, "c=/adapters/c=1", "--max-lora-rank=8"]
+    spec = cli._job_spec(cli.build_parser().parse_args(argv))
+    assert spec.lora_modules.requests() == {
+        "b": LoRARequest("b", 1, "/adapters/b"),
+        "a": LoRARequest("a", 2, "/adapters/a"),
+        "c": LoRARequest("c", 3, "/adapters/c=1"),
+    }
+    assert spec.lora_modules.registered_with == f"{flag} NAME=PATH"
+    assert spec.llm_kwargs() == {"seed": 0, "max_loras": 2, "max_lora_rank": 8, "enable_lora": True}
+    no_adapters = cli._job_spec(cli.build_parser().parse_args(argv[:9]))
+    assert no_adapters.lora_modules.paths == {} and "enable_lora" not in no_adapters.llm_kwargs()
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (["qv"], "expected NAME=PATH (the adapter's name, '=', its PEFT folder), got 'qv'"),
+        (["=/adapters/qv"], "expected NAME=PATH"),
+        (["qv="], "expected NAME=PATH"),
+        (
+            ["qv=/adapters/1", "mlp=/adapters/2", "qv=/adapters/3"],
+            "adapter name 'qv' is given twice ('/adapters/1' and '/adapters/3'); give each "
+            "adapter its own name",
+        ),
+    ],
+)
+def test_a_malformed_or_repeated_lora_is_a_usage_error_naming_the_flag(
+    values: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "-i", "in.jsonl", "-o", "out.jsonl", "--lora", *values])
+    assert exited.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"argument --lora/--lora-modules: {message}" in err
 
 
 def test_a_job_refuses_seed_none(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,7 +11,7 @@ or from the command line, ``paged-llm eval --model path/to/model --tasks ...`` (
 Model args are ``pretrained=`` plus any `LLM` keyword (``dtype``, ``max_model_len``,
 ``tensor_parallel_size``, ``data_parallel_size``, ...), and those of lm-eval's vLLM wrapper
 that have a meaning here (``max_length``, ``max_gen_toks``, ``add_bos_token``,
-``prefix_token_id``, ``seed``).
+``prefix_token_id``, ``seed``, ``lora_local_path``).
 
 Each request list becomes one `LLM.generate` call, so continuous batching sizes the
 batches; scoring requests score only their continuation, so the prefix cache serves shared
@@ -40,6 +40,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     ) from error
 
 from paged_llm.inputs import TokensPrompt
+from paged_llm.jobs.lora_modules import LoRAModules
 from paged_llm.llm import LLM
 from paged_llm.outputs import RequestOutput
 from paged_llm.sampling_params import SamplingParams
@@ -47,6 +48,8 @@ from paged_llm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 MODEL_NAME = "paged_llm"
+# The name lm-eval's vLLM wrapper gives the adapter of ``lora_local_path``.
+_LORA_NAME = "finetuned"
 # lm-eval's default for generate_until requests that do not set max_gen_toks.
 _DEFAULT_MAX_GEN_TOKS = 256
 
@@ -76,6 +79,9 @@ class PagedLM(TemplateLM):
         prefix_token_id: The token scored continuations of an empty context follow
             (default: BOS, else EOS).
         seed: `LLM`'s seed (1234, as lm-eval's vLLM wrapper).
+        lora_local_path: A LoRA adapter (a PEFT folder) every request runs under, as in
+            lm-eval's vLLM wrapper: ``LoRARequest("finetuned", 1, lora_local_path)``, with
+            ``enable_lora`` turned on (``max_lora_rank``, default 16, as there).
         **llm_kwargs: Any other `LLM` keyword.
     """
 
@@ -90,6 +96,7 @@ class PagedLM(TemplateLM):
         add_bos_token: bool | None = None,
         prefix_token_id: int | None = None,
         seed: int = 1234,
+        lora_local_path: str | None = None,
         **llm_kwargs: Any,
     ) -> None:
         super().__init__()
@@ -113,7 +120,15 @@ class PagedLM(TemplateLM):
                 "max_batch_size to cap the sequences per step).",
                 batch_size,
             )
-        self.llm = LLM(pretrained, device=device or "auto", seed=seed, **llm_kwargs)
+        adapters = LoRAModules(
+            {} if lora_local_path is None else {_LORA_NAME: str(lora_local_path)},
+            "lora_local_path",
+        )
+        # The adapter of every request, or None: the base model.
+        self.lora_request = adapters.requests().get(_LORA_NAME)
+        self.llm = LLM(
+            pretrained, device=device or "auto", seed=seed, **adapters.llm_kwargs(llm_kwargs)
+        )
         self.tokenizer = self.llm.get_tokenizer()
         self.add_bos_token = add_bos_token
         self.custom_prefix_token_id = prefix_token_id
@@ -210,7 +225,12 @@ class PagedLM(TemplateLM):
                     detokenize=False,
                 )
             )
-        outputs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm and self.rank == 0)
+        outputs = self.llm.generate(
+            prompts,
+            params,
+            use_tqdm=not disable_tqdm and self.rank == 0,
+            lora_request=self.lora_request,
+        )
         results = [(0.0, True)] * len(requests)
         for index, output, context_len in zip(scored, outputs, num_context, strict=True):
             results[index] = _continuation_score(output, context_len)
@@ -265,7 +285,12 @@ class PagedLM(TemplateLM):
             prompts.append(TokensPrompt(prompt_token_ids=context_ids))
             stops.append(until)
             params.append(_sampling_params(kwargs, max_gen_toks, until))
-        outputs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm and self.rank == 0)
+        outputs = self.llm.generate(
+            prompts,
+            params,
+            use_tqdm=not disable_tqdm and self.rank == 0,
+            lora_request=self.lora_request,
+        )
         texts = []
         for request, output, until in zip(requests, outputs, stops, strict=True):
             text = output.outputs[0].text

@@ -8,6 +8,11 @@ Input lines are ``{"custom_id", "method": "POST", "url", "body"}`` with the url
 ``chat.completion`` or ``text_completion`` object with status 200, or for a request that
 cannot run an OpenAI error body with status 400 and ``error`` set to the same message.
 
+A body's ``"model"`` chooses what runs it, as ``vllm serve --lora-modules NAME=PATH`` does: a
+registered LoRA adapter's name runs the request under that adapter; one of the served
+model's names (`served_model_names`), or no ``"model"``, runs the base model; any other name
+is the line's error (`paged_llm.jobs.lora_modules`).
+
 A request's ids are derived from its custom_id (from its line number when it has no usable
 one), never drawn at random, so a resumed job writes the same line an uninterrupted one would
 (only ``created``, the time it finished, differs).
@@ -231,6 +236,15 @@ def _all_token_ids(values: list[Any]) -> bool:
     return bool(values) and all(
         isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values
     )
+
+
+def served_model_names(model: str, served_model_name: str | list[str] | None) -> list[str]:
+    """The names a body's ``"model"`` may give the base model: every ``--served-model-name``
+    (vLLM serves the model under each), else ``--model``; the first is the one responses
+    report."""
+    if served_model_name is None:
+        return [model]
+    return [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
 
 
 def completion_prompt(request: BatchRequest) -> str | TokensPrompt:

@@ -1,23 +1,33 @@
 """From a job's rows to requests and back: every job kind (JSONL rows, OpenAI batch lines,
-Ray Data rows) maps a row to a prompt and its `SamplingParams`, or to the `RequestError`
-that says why it cannot run, and gets each result as it finishes, through these functions."""
+Ray Data rows) maps a row to a `JobRequest` (a prompt, its `SamplingParams` and its LoRA
+adapter), or to the `RequestError` that says why it cannot run, and gets each result as it
+finishes, through these functions."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from paged_llm.exceptions import ConversationError, RequestError
 from paged_llm.frontend.input_processor import RejectedRequest
 from paged_llm.inputs import PromptType, TokensPrompt
 from paged_llm.llm import LLM
+from paged_llm.lora.request import LoRARequest
 from paged_llm.outputs import RequestOutput
 from paged_llm.sampling_params import SamplingParams
 
-# A row ready to run: its prompt and how to sample it.
-JobRequest = tuple[PromptType, SamplingParams]
+
+@dataclass(frozen=True, slots=True)
+class JobRequest:
+    """A row ready to run: its prompt, how to sample it, and the LoRA adapter it runs under
+    (None: the base model)."""
+
+    prompt: PromptType
+    params: SamplingParams
+    lora_request: LoRARequest | None = None
+
 
 _SAMPLING_FIELDS = frozenset(field.name for field in fields(SamplingParams))
 
@@ -55,18 +65,23 @@ def run_requests(
     given, then each request's output (or the reason the engine refused it) as it
     finishes. Leaving the loop early cancels the requests still running."""
     positions: list[int] = []
-    prompts: list[PromptType] = []
-    params: list[SamplingParams] = []
+    runnable: list[JobRequest] = []
     for position, request in enumerate(requests):
         if isinstance(request, RequestError):
             yield position, request
         else:
             positions.append(position)
-            prompts.append(request[0])
-            params.append(request[1])
-    if not prompts:
+            runnable.append(request)
+    if not runnable:
         return
-    stream = llm.generate_stream(prompts, params, use_tqdm=progress, on_error="skip")
+    # NOTE: the one place where a job's request fields reach the engine.
+    stream = llm.generate_stream(
+        [request.prompt for request in runnable],
+        [request.params for request in runnable],
+        use_tqdm=progress,
+        on_error="skip",
+        lora_request=[request.lora_request for request in runnable],
+    )
     with contextlib.closing(stream):
         for index, result in stream.results():
             if isinstance(result, RejectedRequest):

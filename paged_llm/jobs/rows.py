@@ -1,14 +1,16 @@
 """The rows of a ``paged-llm generate`` job: ``{"id": ..., "prompt": "..."}`` or
 ``{"id": ..., "messages": [...]}`` JSON objects, one per line (or Parquet records with the
 same columns), each optionally constrained by ``"structured_outputs"`` (the fields of
-`StructuredOutputsParams`) or OpenAI's ``"response_format"``.
+`StructuredOutputsParams`) or OpenAI's ``"response_format"``, and optionally run under the
+LoRA adapter its ``"lora"`` names (one the job registers, `paged_llm.jobs.lora_modules`).
 
 A malformed row (not JSON, JSON nested deeper than `MAX_JSON_DEPTH`, no id, a duplicate id,
-neither or both of prompt and messages, malformed messages) is a bad line: a job lists every
-bad line and generates nothing. A row that is well formed but cannot run keeps its place and
-gets an error row instead: text that is not valid Unicode (JSON can spell a lone UTF-16
-surrogate, ``"\\ud83d"``, an emoji cut in half, which no tokenizer or UTF-8 file can hold),
-or a prompt the model refuses.
+neither or both of prompt and messages, malformed messages, a ``"lora"`` that is not a
+string) is a bad line: a job lists every bad line and generates nothing. A row that is well
+formed but cannot run keeps its place and gets an error row instead: text that is not valid
+Unicode (JSON can spell a lone UTF-16 surrogate, ``"\\ud83d"``, an emoji cut in half, which
+no tokenizer or UTF-8 file can hold), a ``"lora"`` the job has not registered, or a prompt
+the model refuses.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class InputRow:
     error: str | None = None
     # The row's "structured_outputs" or "response_format", or None.
     structured_outputs: StructuredOutputsParams | None = None
+    # The name of the LoRA adapter the row runs under (its "lora"), or None: the base model.
+    lora: str | None = None
 
     def located(self, message: str) -> str:
         """``message`` after the row's line number, where that is known."""
@@ -173,8 +177,15 @@ def parse_record(
             text_or_messages = check_conversation(messages)
         except ConversationError as error:
             raise ValueError(messages_problem(error)) from None
+    lora = record.get("lora")
+    if lora is not None and not isinstance(lora, str):
+        raise ValueError(f"'lora' must be a string (an adapter's name), got {lora!r}")
     row = InputRow(
-        line_number, row_id, text_or_messages, structured_outputs=_structured_outputs(record)
+        line_number,
+        row_id,
+        text_or_messages,
+        structured_outputs=_structured_outputs(record),
+        lora=lora,
     )
     # NOTE: a lone surrogate fails the row, not the job: the tokenizer cannot take it, but the
     # row is well formed, and its error row tells the user which one to fix.

@@ -4,7 +4,9 @@ lock, each result appended as it finishes.
 Two job kinds share everything here but the row format: ``generate`` (`paged_llm.jobs.rows`)
 and OpenAI batch files (`paged_llm.jobs.openai_batch`). Every row samples with a seed
 derived from the job's seed and its id, so a rerun, a resumed run and a run on any machine
-(Ray Data's actors call `generate_rows`) write the same row.
+(Ray Data's actors call `generate_rows`) write the same row. A row runs under the LoRA
+adapter it names (a row's ``"lora"``, a batch body's ``"model"``) among those the job
+registers (`JobSpec.lora_modules`), else on the base model.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 from paged_llm.exceptions import RequestError
 from paged_llm.jobs import openai_batch
+from paged_llm.jobs.lora_modules import LoRAModules
 from paged_llm.jobs.output import OutputWriter, RowWriter, output_lock, recover_output
 from paged_llm.jobs.requests import JobRequest, chat_prompt, run_requests, sampling_params_over
 from paged_llm.jobs.rows import InputRow, JobError, read_input
@@ -48,9 +51,11 @@ class JobSpec:
     # generate: SamplingParams fields over the model's defaults for every row (a batch
     # file's lines set their own).
     sampling: dict[str, Any] = field(default_factory=dict)
+    # The LoRA adapters rows may name; registering any turns enable_lora on.
+    lora_modules: LoRAModules = field(default_factory=LoRAModules)
 
     def llm_kwargs(self) -> dict[str, Any]:
-        return {"seed": self.seed, **self.engine_kwargs}
+        return self.lora_modules.llm_kwargs({"seed": self.seed, **self.engine_kwargs})
 
 
 # Writes the output rows of the pending input rows (those at the given input positions).
@@ -70,12 +75,23 @@ def run_generate_job(spec: JobSpec) -> int:
 
 def run_batch_job(spec: JobSpec) -> int:
     """``paged-llm run-batch``: every request of an OpenAI Batch API file; the exit code."""
+    served = openai_batch.served_model_names(
+        spec.model, spec.engine_kwargs.get("served_model_name")
+    )
+    shadowed = [name for name in spec.lora_modules.paths if name in served]
+    if shadowed:
+        raise JobError(
+            f"LoRA adapter name(s) {', '.join(map(repr, shadowed))} of "
+            f"{spec.lora_modules.registered_with} are also the served model's name; a body's "
+            '"model" could not tell them apart: rename the adapter(s) or set '
+            "--served-model-name."
+        )
     requests = openai_batch.read_requests(spec.input)
     return run_job(
         spec,
         [request.key for request in requests],
         lambda llm, pending, writer: _batch_requests(
-            spec, llm, [requests[i] for i in pending], writer
+            spec, served, llm, [requests[i] for i in pending], writer
         ),
     )
 
@@ -130,7 +146,7 @@ def run_job(spec: JobSpec, keys: list[str | int], body: JobBody) -> int:
 def generate_rows(spec: JobSpec, llm: LLM, rows: list[InputRow], writer: RowWriter) -> None:
     """The output row of each input row: its sampling from the model's defaults and the
     job's ``sampling``, its seed from the job's seed and its id, so it is the same row on
-    every machine."""
+    every machine; its adapter the one its ``lora`` names."""
     base = llm.get_default_sampling_params()
     if llm.generation_config.get("max_new_tokens") is None:
         base.max_tokens = DEFAULT_MAX_TOKENS
@@ -142,6 +158,7 @@ def generate_rows(spec: JobSpec, llm: LLM, rows: list[InputRow], writer: RowWrit
             requests.append(RequestError(row.error))
             continue
         try:
+            lora = spec.lora_modules.select(row.lora, "lora")
             prompt = row.prompt if isinstance(row.prompt, str) else chat_prompt(llm, row.prompt)
         except RequestError as error:
             requests.append(error)
@@ -150,7 +167,7 @@ def generate_rows(spec: JobSpec, llm: LLM, rows: list[InputRow], writer: RowWrit
         params = sampling_params_over(
             base, {"seed": seed, "structured_outputs": row.structured_outputs}
         )
-        requests.append((prompt, params))
+        requests.append(JobRequest(prompt, params, lora))
     for position, result in run_requests(llm, requests, progress=spec.progress):
         row = rows[position]
         if isinstance(result, RequestError):
@@ -187,10 +204,16 @@ def _output_record(row_id: str | int, output: RequestOutput) -> dict[str, Any]:
 
 
 def _batch_requests(
-    spec: JobSpec, llm: LLM, requests: list[openai_batch.BatchRequest], writer: RowWriter
+    spec: JobSpec,
+    served: list[str],
+    llm: LLM,
+    requests: list[openai_batch.BatchRequest],
+    writer: RowWriter,
 ) -> None:
     """The output line of each batch request; a line without a seed samples with one
-    derived from the job's seed and its custom_id."""
+    derived from the job's seed and its custom_id. A body's ``model`` selects a registered
+    LoRA adapter by its name; one of the ``served`` names, or none, the base model (as
+    ``vllm serve --lora-modules`` does)."""
     defaults = llm.get_default_sampling_params()
     model_max_tokens = llm.generation_config.get("max_new_tokens")
     prepared: list[JobRequest | RequestError] = []
@@ -198,6 +221,7 @@ def _batch_requests(
         try:
             if request.error is not None:
                 raise request.error
+            lora = spec.lora_modules.select(request.body.get("model"), "model", served)
             params = openai_batch.sampling_params(request, defaults, model_max_tokens)
             if params.seed is None:
                 assert request.custom_id is not None  # a line without one has an error
@@ -210,13 +234,16 @@ def _batch_requests(
         except RequestError as error:
             prepared.append(error)
             continue
-        prepared.append((prompt, params))
+        prepared.append(JobRequest(prompt, params, lora))
     for position, result in run_requests(llm, prepared, progress=spec.progress):
         request = requests[position]
         if isinstance(result, RequestError):
+            if result.parameter == "lora_request":
+                # NOTE: the engine names its argument; the body's field that chose it is "model".
+                result = RequestError(result.reason, parameter="model", value=result.value)
             writer.write(openai_batch.error_line(request, result), error=True)
             continue
-        line = openai_batch.success_line(request, result, spec.model, int(time.time()))
+        line = openai_batch.success_line(request, result, served[0], int(time.time()))
         usage = line["response"]["body"]["usage"]
         writer.write(
             line,

@@ -13,6 +13,7 @@ import torch
 from paged_llm.engine_args import EngineArgs
 from paged_llm.exceptions import RequestError
 from paged_llm.inputs import TokensPrompt
+from paged_llm.jobs.lora_modules import LoRAModules
 from paged_llm.jobs.requests import JobRequest, chat_prompt, run_requests, sampling_params_over
 from paged_llm.llm import LLM
 from paged_llm.outputs import RequestOutput
@@ -41,6 +42,10 @@ class ProcessorConfig:
             as many threads (at least one).
         num_gpus_per_actor: GPUs Ray reserves for each actor (0: the actor sees none and
             runs on CPU); at least ``tensor_parallel_size`` x ``data_parallel_size``.
+        lora_modules: LoRA adapters by name -> path (a PEFT folder at the same path on every
+            node); a row's ``lora`` column names the one it runs under. Ids are 1, 2, ... in
+            this order, and any adapter turns ``enable_lora`` on (``max_loras`` and
+            ``max_lora_rank`` in ``engine_kwargs``, as for `LLM`).
     """
 
     model_source: str
@@ -49,6 +54,7 @@ class ProcessorConfig:
     batch_size: int = 64
     num_cpus_per_actor: float = 1
     num_gpus_per_actor: float = 0
+    lora_modules: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("concurrency", "batch_size"):
@@ -60,7 +66,7 @@ class ProcessorConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"ProcessorConfig.{name} must be a number >= 0, got {value!r}.")
         # NOTE: on the driver, so that a bad setting fails before any actor starts.
-        args = EngineArgs.from_kwargs(dict(self.engine_kwargs))
+        args = EngineArgs.from_kwargs(self.llm_kwargs())
         devices = args.tensor_parallel_size * args.data_parallel_size
         if 0 < self.num_gpus_per_actor < devices:
             raise ValueError(
@@ -68,6 +74,15 @@ class ProcessorConfig:
                 f"LLM needs {devices} devices (tensor_parallel_size x data_parallel_size); "
                 f"reserve {devices}."
             )
+
+    @property
+    def adapters(self) -> LoRAModules:
+        """The LoRA adapters rows may name in their ``lora`` column."""
+        return LoRAModules(self.lora_modules, "ProcessorConfig.lora_modules")
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        """Each actor's `LLM` keyword arguments."""
+        return self.adapters.llm_kwargs(self.engine_kwargs)
 
 
 class _LLMActor:
@@ -104,7 +119,7 @@ def map_with_llm(
         _LLMActor,
         fn_constructor_kwargs={
             "model_source": config.model_source,
-            "engine_kwargs": config.engine_kwargs,
+            "engine_kwargs": config.llm_kwargs(),
             "num_threads": max(1, int(config.num_cpus_per_actor)),
             "fn": fn,
         },
@@ -132,7 +147,8 @@ class Processor:
         if self.preprocess is not None:
             rows = [{**row, **self.preprocess(row)} for row in rows]
         results: list[Row] = [{} for _ in rows]
-        requests = [_request(llm, row) for row in rows]
+        adapters = self.config.adapters
+        requests = [_request(llm, row, adapters) for row in rows]
         for position, result in run_requests(llm, requests, progress=False):
             results[position] = (
                 _failed(result.reason) if isinstance(result, RequestError) else _generated(result)
@@ -151,21 +167,22 @@ def build_processor(
     ``preprocess(row)`` gives the request's columns, merged over the row: ``prompt`` (text),
     ``messages`` (a chat, rendered with the model's template) or ``prompt_token_ids``, and
     ``sampling_params`` (a dict of `SamplingParams` fields over the model's defaults; a
-    null field is unset, as Arrow fills the fields a row lacks with nulls). The processor
+    null field is unset, as Arrow fills the fields a row lacks with nulls), and ``lora``
+    (the name of an adapter of ``config.lora_modules``; null: the base model). The processor
     adds ``generated_text``, ``generated_token_ids``, ``num_generated_tokens``,
     ``num_prompt_tokens``, ``finish_reason`` and ``error``, and ``postprocess(row)`` maps
     the result to the output row; without it, every column comes out.
 
     A row that cannot run (its prompt longer than ``max_model_len``, invalid sampling
-    params, malformed messages) gets ``error`` set and an empty output; the other rows of
-    its batch, and the job, go on. Exceptions that ``preprocess`` or ``postprocess`` raise
-    fail the job, as in any Ray Data ``map``.
+    params, malformed messages, an adapter name not registered) gets ``error`` set and an
+    empty output; the other rows of its batch, and the job, go on. Exceptions that
+    ``preprocess`` or ``postprocess`` raise fail the job, as in any Ray Data ``map``.
     """
     return Processor(config, preprocess, postprocess)
 
 
-def _request(llm: LLM, row: Row) -> JobRequest | RequestError:
-    """A row's prompt and sampling params, or why the row cannot run."""
+def _request(llm: LLM, row: Row, adapters: LoRAModules) -> JobRequest | RequestError:
+    """A row's prompt, sampling params and adapter, or why the row cannot run."""
     given = [column for column in PROMPT_COLUMNS if row.get(column) is not None]
     if len(given) != 1:
         return RequestError(
@@ -188,17 +205,18 @@ def _request(llm: LLM, row: Row) -> JobRequest | RequestError:
                 f"sampling_params n={params.n}: a row gets one completion; repeat the row instead",
                 parameter="n",
             )
+        lora = adapters.select(row.get("lora"), "lora")
         column = given[0]
         value = row[column]
         if column == "messages":
-            return chat_prompt(llm, list(value)), params
+            return JobRequest(chat_prompt(llm, list(value)), params, lora)
         if column == "prompt_token_ids":
-            return TokensPrompt(prompt_token_ids=list(value)), params
+            return JobRequest(TokensPrompt(prompt_token_ids=list(value)), params, lora)
         if not isinstance(value, str):
             raise RequestError(
                 f"prompt must be a str, got {type(value).__name__}", parameter="prompt"
             )
-        return value, params
+        return JobRequest(value, params, lora)
     except RequestError as error:
         return error
 

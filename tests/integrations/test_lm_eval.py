@@ -26,6 +26,8 @@ import paged_llm.cli
 import paged_llm.integrations
 from paged_llm.cli import main
 from paged_llm.integrations import lm_eval as integration
+from paged_llm.lora.request import LoRARequest
+from tests.conftest import write_peft_adapter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -190,6 +192,33 @@ def test_paged_llm_eval_runs_lm_eval_with_the_model_registered(
     results = json.loads(written.read_text())
     assert results["config"]["model"] == "paged_llm"
     assert results["results"]["tiny_mc"]["acc,none"] == ours["results"]["tiny_mc"]["acc,none"]
+
+
+def test_lora_local_path_runs_every_request_under_the_adapter_as_lm_evals_hf_model_with_peft(
+    tasks_dir: Path, tiny_model: str, ours: dict[str, Any], tmp_path: Path
+) -> None:
+    """lm-eval's vLLM model argument: every request runs under the adapter; the numbers and
+    generations equal lm-eval's hf model with the same adapter through peft."""
+    adapter = write_peft_adapter(
+        Path(tiny_model), tmp_path / "adapter", rank=8, target_modules=["q_proj", "v_proj"], seed=0
+    )
+    args = f"pretrained={tiny_model},dtype=float32"
+    adapted = evaluate(
+        tasks_dir,
+        integration.MODEL_NAME,
+        f"{args},max_model_len=512,lora_local_path={adapter}",
+        TASKS,
+    )
+    hf = evaluate(tasks_dir, "hf", f"{args},peft={adapter}", TASKS)
+    check_same_as_hf(adapted, hf, TASKS)
+    # The comparison means something only if the adapter changes what the model says.
+    assert responses(adapted, "tiny_mc") != responses(ours, "tiny_mc")
+    assert responses(adapted, "tiny_generate") != responses(ours, "tiny_generate")
+
+    model = integration.PagedLM(tiny_model, max_model_len=64, lora_local_path=str(adapter))
+    with model.llm:
+        assert model.lora_request == LoRARequest("finetuned", 1, str(adapter))
+        assert model.llm.config.lora is not None  # enable_lora, turned on by the adapter
 
 
 def test_the_lm_eval_models_entry_point_loads_the_registered_model() -> None:

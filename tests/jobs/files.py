@@ -7,7 +7,15 @@ import os
 import socket
 from pathlib import Path
 
+from tests.conftest import peft_greedy, write_peft_adapter
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# LoRA adapters of the tiny Llama for the jobs' tests, by name: (rank, targets, seed).
+LORA_ADAPTERS = {
+    "qv": (8, ["q_proj", "v_proj"], 0),
+    "mlp": (4, ["o_proj", "gate_proj", "up_proj", "down_proj"], 1),
+}
 
 
 def write_jsonl(path: Path, rows: list[object]) -> Path:
@@ -80,3 +88,32 @@ def without_created(line: dict) -> dict:
     """An output line less the time its request finished, the one field a rerun changes."""
     body = line["response"]["body"]
     return {**line, "response": {**line["response"], "body": {**body, "created": None}}}
+
+
+def write_lora_adapters(model_dir: Path, folder: Path) -> dict[str, Path]:
+    """The `LORA_ADAPTERS` of the model in ``model_dir``, written by peft into ``folder``."""
+    return {
+        name: write_peft_adapter(
+            model_dir, folder / name, rank=rank, target_modules=targets, seed=seed
+        )
+        for name, (rank, targets, seed) in LORA_ADAPTERS.items()
+    }
+
+
+def peft_greedy_by_adapter(
+    model_dir: Path,
+    adapters: dict[str, Path],
+    prompts: list[list[int]],
+    names: list[str | None],
+    max_new_tokens: int,
+) -> list[list[int]]:
+    """transformers + peft greedy tokens of each prompt under the adapter its name picks
+    (None: the base model), one model per adapter."""
+    expected: list[list[int]] = [[] for _ in prompts]
+    for name in set(names):
+        positions = [i for i, other in enumerate(names) if other == name]
+        adapter = None if name is None else adapters[name]
+        tokens = peft_greedy(model_dir, adapter, [prompts[i] for i in positions], max_new_tokens)
+        for position, completion in zip(positions, tokens, strict=True):
+            expected[position] = completion
+    return expected

@@ -41,10 +41,10 @@ def test_a_chat_row_renders_or_says_why_not(llm: LLM) -> None:
 def test_results_come_back_at_their_rows_positions_with_errors_as_values(llm: LLM) -> None:
     early = RequestError("the row is bad", parameter="prompt")
     requests: list[JobRequest | RequestError] = [
-        ("A first row", GREEDY),
+        JobRequest("A first row", GREEDY),
         early,
-        ({"prompt_token_ids": []}, GREEDY),
-        ("A last row", GREEDY),
+        JobRequest({"prompt_token_ids": []}, GREEDY),
+        JobRequest("A last row", GREEDY),
     ]
     results = dict(run_requests(llm, requests, progress=False))
     assert sorted(results) == [0, 1, 2, 3]

@@ -57,7 +57,8 @@ def test_run_batch_writes_openai_lines_equal_to_llm_chat_and_generate(
     source = write_jsonl(tmp_path / "requests.jsonl", lines)
     output = tmp_path / "results.jsonl"
     argv = ["run-batch", "-i", str(source), "-o", str(output), *engine_args(model)]
-    assert main(argv) == 0
+    # A body's "model" is one of the served model's names (vllm serve's rule).
+    assert main([*argv, "--served-model-name", model, "mine"]) == 0
     assert "6 rows written" in capsys.readouterr().out
 
     written = read_rows(output)
