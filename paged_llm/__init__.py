@@ -8,11 +8,16 @@ from paged_llm.llm import LLM
 from paged_llm.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
+    ClassificationRequestOutput,
     CompletionOutput,
+    EmbeddingRequestOutput,
     Logprob,
+    PoolingRequestOutput,
     RequestMetrics,
     RequestOutput,
+    ScoringRequestOutput,
 )
+from paged_llm.pooling_params import PoolingParams
 from paged_llm.sampling_params import BeamSearchParams, SamplingParams
 from paged_llm.structured_outputs import StructuredOutputsParams
 from paged_llm.vllm_names import refusal
@@ -23,13 +28,18 @@ __all__ = [
     "BeamSearchOutput",
     "BeamSearchParams",
     "BeamSearchSequence",
+    "ClassificationRequestOutput",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "LLMEngine",
     "Logprob",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "ScoringRequestOutput",
     "StructuredOutputsParams",
     "TextPrompt",
     "TokensPrompt",

@@ -16,7 +16,10 @@ from paged_llm.logits_processors import LogitsProcessor, load_logits_processors
 from paged_llm.model_files.gguf_quantized import gguf_source
 from paged_llm.model_files.resolve import check_config_fields
 from paged_llm.platforms import Platform, get_platform
+from paged_llm.pooling_params import PoolerConfig, convert_defaults
 from paged_llm.settings import resolved_setting
+
+__all__ = ["EngineConfig", "PoolerConfig", "PoolerSpec", "SchedulerConfig"]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -112,6 +115,21 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class PoolerSpec:
+    """A pooling model's pooler (``runner="pooling"``), resolved: its ``convert``, the
+    `PoolerConfig` with that convert's defaults filled in, the classifier head it pools
+    through (``num_labels`` outputs and their ``activation``: "softmax", "sigmoid" or
+    "identity"; ``num_labels`` None: no head, the hidden states are the output), and the
+    tasks it serves."""
+
+    convert: str
+    config: PoolerConfig
+    num_labels: int | None
+    activation: str
+    tasks: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int
     data_parallel_size: int
@@ -169,6 +187,10 @@ class EngineConfig:
     logits_processors: tuple[type[LogitsProcessor], ...]
     # None: `enable_lora` is off.
     lora: LoRAConfig | None
+    # "generate" or "pooling" (the `runner` setting resolved against the model).
+    runner: str
+    # The pooler of a pooling model; None under runner="generate".
+    pooler: PoolerSpec | None
 
     @property
     def device(self) -> torch.device:
@@ -235,6 +257,7 @@ class EngineConfig:
                 f"{model_dir} was not made from one. Pass the .gguf file as the model."
             )
         seed = secrets.randbits(63) if args.seed is None else args.seed
+        runner = _runner(args, hf_config)
         resolved = {
             "model_dir": model_dir,
             "hf_config": hf_config,
@@ -250,6 +273,8 @@ class EngineConfig:
             "model_config": _model_config(args, model_dir, hf_config, dtype, seed, scheduler),
             "logits_processors": load_logits_processors(args.logits_processors),
             "lora": _lora_config(args),
+            "runner": runner,
+            "pooler": None if runner == "generate" else _pooler_spec(args, hf_config),
         }
         # The other fields are settings taken as given, under the same names.
         return cls(
@@ -288,6 +313,72 @@ def _model_config(
         generation_config=str(args.generation_config),
         skip_tokenizer_init=args.skip_tokenizer_init,
     )
+
+
+def is_sequence_classifier(hf_config: Any) -> bool:
+    """The checkpoint is a ``*ForSequenceClassification``: a decoder with a classifier head
+    and no LM head."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    return any(name.endswith("ForSequenceClassification") for name in architectures)
+
+
+def _runner(args: EngineArgs, hf_config: Any) -> str:
+    """``runner`` resolved: "auto" is pooling for a classifier, generate otherwise."""
+    classifier = is_sequence_classifier(hf_config)
+    runner = args.runner
+    if runner == "auto":
+        runner = "pooling" if classifier else "generate"
+    if runner == "generate":
+        if classifier:
+            raise ValueError(
+                f"LLM argument runner='generate', but {hf_config.architectures[0]} is a "
+                "classifier: it has no LM head to generate with. Use runner='pooling' (or "
+                "'auto') and llm.classify / llm.score."
+            )
+        for name in ("convert", "pooler_config"):
+            if getattr(args, name) not in ("auto", None):
+                raise ValueError(
+                    f"LLM argument {name}={getattr(args, name)!r} configures a pooling model, "
+                    "and this LLM generates; pass runner='pooling' too."
+                )
+    return runner
+
+
+def _pooler_spec(args: EngineArgs, hf_config: Any) -> PoolerSpec:
+    """The pooler of a pooling model: ``convert`` resolved and checked against the
+    checkpoint, the pooler config's defaults filled in, the tasks it serves."""
+    classifier = is_sequence_classifier(hf_config)
+    convert = args.convert
+    if convert == "auto":
+        convert = "classify" if classifier else "embed"
+    if convert == "classify" and not classifier:
+        raise ValueError(
+            f"LLM argument convert='classify' needs a classifier head, and "
+            f"{(getattr(hf_config, 'architectures', None) or ['this model'])[0]} has none; "
+            "load a *ForSequenceClassification checkpoint, or use convert='embed'."
+        )
+    config = convert_defaults(PoolerConfig.of(args.pooler_config), convert)
+    num_labels = (
+        getattr(hf_config, "num_labels", None) if classifier and convert != "embed" else None
+    )
+    problem_type = getattr(hf_config, "problem_type", None)
+    activation = (
+        "identity"
+        if problem_type == "regression"
+        else "sigmoid"
+        if num_labels == 1 or problem_type == "multi_label_classification"
+        else "softmax"
+    )
+    tasks = {
+        "embed": ("embed", "token_embed"),
+        "classify": ("classify", "score", "token_classify"),
+        "reward": ("token_classify",) if num_labels is not None else ("token_embed",),
+    }[convert] + ("encode", "reward")
+    if config.pooling_type == "ALL":
+        tasks = tuple(
+            task for task in tasks if task.startswith("token_") or task in ("encode", "reward")
+        )
+    return PoolerSpec(convert, config, num_labels, activation, tasks)
 
 
 def _lora_config(args: EngineArgs) -> LoRAConfig | None:

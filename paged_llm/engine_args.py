@@ -9,14 +9,10 @@ fields too: after changing a field, run
 ``python -m paged_llm.settings_docs docs/usage.md`` (tests/test_vllm_compat.py checks the page).
 
 The names, defaults and meanings are vLLM's (``vllm.EngineArgs``), so a script written for
-``vllm.LLM`` runs unchanged. A vLLM argument falls in one of three kinds:
-
-- honoured: it does here what it does in vLLM;
-- no-op: it tunes something paged_llm does not have (CPU swap space, torch.compile, download
-  locations, LoRA sizes); accepted and ignored, and listed as such in docs/usage.md;
-- refused unless left at a neutral value: it asks for a feature paged_llm lacks (LoRA,
-  CPU offloading, pipeline parallelism, ...); any other value is a ValueError that names
-  the argument and why, so a script never silently runs without what it asked for.
+``vllm.LLM`` runs unchanged. A vLLM argument is honoured (it does here what it does in
+vLLM), a no-op (it tunes something paged_llm does not have: accepted, ignored, and listed as
+such in docs/usage.md), or refused unless left at a neutral value (it asks for a feature
+paged_llm lacks: any other value is a ValueError naming the argument and why).
 """
 
 from __future__ import annotations
@@ -38,6 +34,7 @@ from paged_llm.logits_processors import (
     is_logits_processor_entry,
 )
 from paged_llm.model_files import DEFAULT_MODEL
+from paged_llm.pooling_params import CONVERTS, PoolerConfig
 from paged_llm.settings import (
     BOOL,
     INT,
@@ -68,6 +65,7 @@ _CLI_GROUPS = {
 }
 ContainerT = TypeVar("ContainerT", bound=argparse._ActionsContainer)
 
+_POOLER_CONFIG = Valid(lambda value: isinstance(value, (PoolerConfig, dict)), "a PoolerConfig")
 # kv_cache_dtype's names (vLLM's) -> the cache's dtype; None: the model's.
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
@@ -311,6 +309,30 @@ class EngineArgs:
         valid=Valid(lambda value: value is None or (INT.test(value) and value >= 1), "an int >= 1"),
         default_doc="`max_loras`",
     )
+    runner: str = honoured(
+        "auto",
+        '`"generate"` completes prompts; `"pooling"` serves `embed`, `classify`, `score`, '
+        '`reward` and `encode` instead; `"auto"`: pooling for a `*ForSequenceClassification` '
+        'model, else generate. See "Pooling".',
+        accepts=("auto", "generate", "pooling"),
+    )
+    convert: str = honoured(
+        "auto",
+        'What a pooling model makes of its hidden states: `"embed"` (LAST token, normalized), '
+        '`"classify"` (LAST token through the classifier head, softmax) or `"reward"` (ALL '
+        'tokens, raw); `"auto"`: classify for a `*ForSequenceClassification` model, else '
+        'embed. Only with `runner="pooling"`.',
+        accepts=("auto", *CONVERTS),
+    )
+    pooler_config: PoolerConfig | dict[str, Any] | None = honoured(
+        None,
+        "The pooler's settings, over `convert`'s defaults: a `paged_llm.config.PoolerConfig` "
+        '(or a dict of its fields): `pooling_type` (`"LAST"`, `"MEAN"`, `"CLS"`, `"ALL"`), '
+        "`normalize`, `use_activation` (older name `softmax`), `dimensions`. Only with "
+        '`runner="pooling"`.',
+        cli=CliFlag(parse=parse_json),
+        valid=_POOLER_CONFIG,
+    )
     # ----- honoured, in the table of "Coming from vLLM": the model, the tokenizer, and ----
     # vLLM's switches with one value here.
     tokenizer: str | Path | None = honoured(
@@ -436,12 +458,6 @@ class EngineArgs:
         table="vllm",
     )
     task: str = honoured(
-        "auto",
-        'Text generation only: `"auto"` or `"generate"`.',
-        accepts=("auto", "generate"),
-        table="vllm",
-    )
-    runner: str = honoured(
         "auto",
         'Text generation only: `"auto"` or `"generate"`.',
         accepts=("auto", "generate"),

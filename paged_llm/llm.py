@@ -33,10 +33,26 @@ from paged_llm.frontend.input_processor import (
 from paged_llm.frontend.llm_engine import LLMEngine
 from paged_llm.frontend.lora_requests import lora_per_prompt
 from paged_llm.frontend.model_info import ModelInfo
+from paged_llm.frontend.pooling import (
+    PoolingCall,
+    cosine_scores,
+    cross_encoder_prompts,
+    score_pairs,
+)
 from paged_llm.frontend.stream import GenerationLock, GenerationStream
 from paged_llm.inputs import LoRARequest, PromptType, TokensPrompt
 from paged_llm.metrics import Metric
-from paged_llm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from paged_llm.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
+from paged_llm.pooling_params import PoolingParams
 from paged_llm.sampling_params import BeamSearchParams, SamplingParams
 from paged_llm.vllm_names import refusal
 
@@ -203,7 +219,7 @@ class LLM:
         lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
         priority: list[int] | None = None,
         tokenization_kwargs: dict[str, Any] | None = None,
-    ) -> GenerationStream:
+    ) -> GenerationStream[RequestOutput]:
         """Like `generate`, but yields ``(input_index, RequestOutput)`` as each request
         finishes, so results can be written while the batch runs.
 
@@ -315,6 +331,156 @@ class LLM:
                 )
             )
         return BeamSearchOutput(sequences=sequences)
+
+    # ----- pooling ------------------------------------------------------------------
+    #
+    # Every pooling call takes prompts as `generate` does, one PoolingParams for all or one
+    # per prompt (None: the model's defaults), `use_tqdm`, `on_error` ("skip": a refused
+    # request comes back with ``error`` set and ``outputs`` None), `lora_request`,
+    # `tokenization_kwargs` and `truncate_prompt_tokens` (keep each prompt's last k tokens;
+    # -1: max_model_len). They need ``runner="pooling"``; see docs/usage.md, "Pooling".
+
+    def embed(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        on_error: str = "raise",
+        *,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``outputs.embedding``), in input order: the hidden
+        states after the final norm, pooled (LAST token by default), cut to
+        ``PoolingParams.dimensions`` and L2-normalized unless ``normalize=False``."""
+        outputs = self._pool(
+            prompts, pooling_params, "embed", use_tqdm, on_error, lora_request,
+            tokenization_kwargs, truncate_prompt_tokens,
+        )  # fmt: skip
+        return [EmbeddingRequestOutput.from_base(output) for output in outputs]
+
+    def classify(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        on_error: str = "raise",
+        *,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """One class distribution per prompt (``outputs.probs``) from a classifier
+        (``*ForSequenceClassification``): the head's logits of the last token through
+        softmax (sigmoid for one label; raw logits under ``use_activation=False``)."""
+        outputs = self._pool(
+            prompts, pooling_params, "classify", use_tqdm, on_error, lora_request,
+            tokenization_kwargs, truncate_prompt_tokens,
+        )  # fmt: skip
+        return [ClassificationRequestOutput.from_base(output) for output in outputs]
+
+    def reward(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        on_error: str = "raise",
+        *,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput[PoolingOutput]]:
+        """One output per prompt token (``outputs.data``, ``[num_tokens, ...]``): the
+        hidden states, or a classifier's head logits, of every token, raw."""
+        return self._pool(
+            prompts, pooling_params, "reward", use_tqdm, on_error, lora_request,
+            tokenization_kwargs, truncate_prompt_tokens,
+        )  # fmt: skip
+
+    def encode(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        on_error: str = "raise",
+        *,
+        pooling_task: str | None = None,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput[PoolingOutput]]:
+        """The pooler's output of ``pooling_task`` for every prompt (``outputs.data``, a
+        tensor): "embed", "classify", "score", "token_embed", "token_classify", or
+        "encode" (the default) and "reward" (every token's output, raw)."""
+        return self._pool(
+            prompts, pooling_params, pooling_task or "encode", use_tqdm, on_error,
+            lora_request, tokenization_kwargs, truncate_prompt_tokens,
+        )  # fmt: skip
+
+    def score(
+        self,
+        data_1: PromptType | SequenceABC[PromptType],
+        data_2: PromptType | SequenceABC[PromptType],
+        /,
+        *,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None,
+        on_error: str = "raise",
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """The score (``outputs.score``) of each pair, in order: one ``data_1`` prompt
+        against every ``data_2`` prompt, or the i-th against the i-th. A cross-encoder (a
+        classifier with one label) scores the pair joined as its tokenizer joins a text
+        pair, through a sigmoid; an embedding model gives the cosine of the two
+        embeddings."""
+        pooler = self.config.pooler
+        pairs = score_pairs(data_1, data_2)
+        if pooler is not None and "score" in pooler.tasks:
+            if pooler.num_labels != 1:
+                raise ValueError(
+                    "LLM.score on a classifier needs one label (a cross-encoder); this one has "
+                    f"{pooler.num_labels}: use LLM.classify for its class probabilities."
+                )
+            prompts: list[Any] = cross_encoder_prompts(pairs, self.tokenizer, tokenization_kwargs)
+            outputs = self._pool(
+                prompts, pooling_params, "score", use_tqdm, on_error, lora_request, None,
+                truncate_prompt_tokens,
+            )  # fmt: skip
+            return [ScoringRequestOutput.from_base(output) for output in outputs]
+        first, second = prompt_list(data_1), prompt_list(data_2)
+        embeddings = self._pool(
+            first + second, pooling_params, "embed", use_tqdm, on_error, lora_request,
+            tokenization_kwargs, truncate_prompt_tokens,
+        )  # fmt: skip
+        return cosine_scores(
+            [(0 if len(first) == 1 else i, len(first) + i) for i in range(len(second))],
+            embeddings,
+        )
+
+    def _pool(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        pooling_params: PoolingParams | SequenceABC[PoolingParams] | None,
+        task: str,
+        use_tqdm: bool | Callable[..., tqdm],
+        on_error: str,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None,
+        tokenization_kwargs: dict[str, Any] | None,
+        truncate_prompt_tokens: int | None,
+    ) -> list[PoolingRequestOutput[PoolingOutput]]:
+        call = PoolingCall(
+            self.processor,
+            self._idle_engine(),
+            self._generation_lock,
+            log_stats=not self.args.disable_log_stats,
+        )
+        return call.run(
+            prompts, pooling_params, task, use_tqdm, on_error, lora_request,
+            tokenization_kwargs, truncate_prompt_tokens,
+        )  # fmt: skip
 
     # ----- chat ---------------------------------------------------------------------
 

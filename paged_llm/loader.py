@@ -77,13 +77,18 @@ def load_weights(
     packed_modules: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
     params = dict(model.named_parameters())
     tied = getattr(model.config, "tie_word_embeddings", False)
+    unused: tuple[str, ...] = getattr(model, "unused_checkpoint_weights", ())
     expected = {(name, shard) for name in params for shard in _shards(model, name)}
     loaded: set[tuple[str, int | None]] = set()
     # projection -> its quantized tensors, by the last part of their names.
     quantized: dict[str, dict[str, torch.Tensor]] = {}
     for tensor in iterate_checkpoint(model_dir):
         ckpt_name = tensor.name
-        if ckpt_name.endswith(_IGNORED_SUFFIXES) or (tied and ckpt_name == "lm_head.weight"):
+        if (
+            ckpt_name.endswith(_IGNORED_SUFFIXES)
+            or (tied and ckpt_name == "lm_head.weight")
+            or ckpt_name in unused
+        ):
             continue
         module = None if pre_quantized is None else pre_quantized.quantized_module(ckpt_name)
         if module is not None:

@@ -1,9 +1,12 @@
-"""What `LLM.generate` returns, shaped like vLLM's `RequestOutput` and `CompletionOutput`."""
+"""What `LLM` returns, shaped like vLLM's outputs: `RequestOutput` and `CompletionOutput` for
+generations, `PoolingRequestOutput` and its typed forms for pooling requests."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
+
+import torch
 
 from paged_llm.lora.request import LoRARequest
 
@@ -181,3 +184,118 @@ class BeamSearchOutput:
     """The ``beam_width`` best sequences of one prompt, best first."""
 
     sequences: list[BeamSearchSequence]
+
+
+# ----- pooling ----------------------------------------------------------------------------
+
+
+@dataclass
+class PoolingOutput:
+    """What the pooler made of one prompt: a vector (``[hidden_size]`` or ``[num_labels]``),
+    or one per prompt token (``[num_tokens, ...]``), float32 on the CPU."""
+
+    data: torch.Tensor
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    """One prompt's class probabilities (the raw logits under ``use_activation=False``)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    """One pair's score: the cosine of two embeddings, or a cross-encoder's output."""
+
+    score: float
+
+
+PoolingOutputT = TypeVar("PoolingOutputT")
+
+
+@dataclass
+class PoolingRequestOutput(Generic[PoolingOutputT]):
+    """The result of one pooling request (vLLM's ``PoolingRequestOutput``): ``outputs`` holds
+    a `PoolingOutput` (`LLM.encode`, `LLM.reward`), or its typed form in the subclasses.
+
+    ``error`` is set (and ``outputs`` None) only for a request that failed under
+    ``on_error="skip"``; ``error_parameter`` then names the parameter at fault."""
+
+    request_id: str
+    outputs: PoolingOutputT
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+    error_parameter: str | None = None
+    lora_request: LoRARequest | None = None
+
+
+def _typed(
+    output: PoolingRequestOutput[Any], outputs: Any
+) -> dict[str, Any]:  # the fields of ``output`` with other ``outputs``
+    return {
+        "request_id": output.request_id,
+        "outputs": outputs,
+        "prompt_token_ids": output.prompt_token_ids,
+        "finished": output.finished,
+        "prompt": output.prompt,
+        "num_cached_tokens": output.num_cached_tokens,
+        "metrics": output.metrics,
+        "error": output.error,
+        "error_parameter": output.error_parameter,
+        "lora_request": output.lora_request,
+    }
+
+
+def _data(output: PoolingRequestOutput[Any]) -> torch.Tensor | None:
+    return None if output.outputs is None else output.outputs.data
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    """`LLM.embed`'s result: ``outputs.embedding``."""
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput[Any]) -> EmbeddingRequestOutput:
+        data = _data(output)
+        return cls(**_typed(output, None if data is None else EmbeddingOutput(data.tolist())))
+
+
+class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
+    """`LLM.classify`'s result: ``outputs.probs``."""
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput[Any]) -> ClassificationRequestOutput:
+        data = _data(output)
+        return cls(**_typed(output, None if data is None else ClassificationOutput(data.tolist())))
+
+
+class ScoringRequestOutput(PoolingRequestOutput[ScoringOutput]):
+    """`LLM.score`'s result: ``outputs.score``."""
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput[Any]) -> ScoringRequestOutput:
+        data = _data(output)
+        return cls(**_typed(output, None if data is None else ScoringOutput(data.item())))
+
+
+# What an engine reports of a request: a generation's output or a pooling one's.
+EngineOutput = RequestOutput | PoolingRequestOutput[PoolingOutput]

@@ -19,10 +19,6 @@ from dataclasses import dataclass
 
 STATUSES = ("Y", "differs", "refused")
 
-_POOLING = (
-    "pooling models (embeddings, classification, scores, rewards) are not supported by "
-    "paged_llm; it runs text generation only."
-)
 _TRAINING_LOOP = (
     "is not supported by paged_llm yet: weights are loaded once and the engine cannot be "
     "put to sleep or called on its workers; build a new LLM after changing the weights."
@@ -53,11 +49,12 @@ VLLM_NAMES: tuple[VllmName, ...] = (
     VllmName("TokensPrompt", "Y"),
     VllmName("RequestOutput", "Y"),
     VllmName("CompletionOutput", "Y"),
-    VllmName("PoolingParams", "refused", _POOLING),
-    VllmName("PoolingRequestOutput", "refused", _POOLING),
-    VllmName("EmbeddingRequestOutput", "refused", _POOLING),
-    VllmName("ClassificationRequestOutput", "refused", _POOLING),
-    VllmName("ScoringRequestOutput", "refused", _POOLING),
+    VllmName("PoolingParams", "Y"),
+    VllmName("PoolingRequestOutput", "Y"),
+    VllmName("EmbeddingRequestOutput", "Y"),
+    VllmName("ClassificationRequestOutput", "Y"),
+    VllmName("ScoringRequestOutput", "Y"),
+    VllmName("config.PoolerConfig", "Y"),
     VllmName(
         "AsyncLLMEngine",
         "refused",
@@ -83,11 +80,16 @@ VLLM_NAMES: tuple[VllmName, ...] = (
     VllmName("LLM.get_metrics", "Y"),
     VllmName("LLM.reset_prefix_cache", "Y"),
     VllmName("LLM.llm_engine", "Y"),
-    VllmName("LLM.encode", "refused", f"LLM.encode: {_POOLING}"),
-    VllmName("LLM.embed", "refused", f"LLM.embed: {_POOLING}"),
-    VllmName("LLM.classify", "refused", f"LLM.classify: {_POOLING}"),
-    VllmName("LLM.score", "refused", f"LLM.score: {_POOLING}"),
-    VllmName("LLM.reward", "refused", f"LLM.reward: {_POOLING}"),
+    VllmName(
+        "LLM.encode",
+        "differs",
+        "pooling_task defaults to 'encode' (every token's output, raw) where vLLM requires "
+        "it; also takes on_error.",
+    ),
+    VllmName("LLM.embed", "Y"),
+    VllmName("LLM.classify", "Y"),
+    VllmName("LLM.score", "Y"),
+    VllmName("LLM.reward", "Y"),
     VllmName("LLM.sleep", "refused", f"LLM.sleep {_TRAINING_LOOP}"),
     VllmName("LLM.wake_up", "refused", f"LLM.wake_up {_TRAINING_LOOP}"),
     VllmName("LLM.collective_rpc", "refused", f"LLM.collective_rpc {_TRAINING_LOOP}"),

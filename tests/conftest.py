@@ -139,6 +139,34 @@ def tiny_model_dir(
 
 
 @pytest.fixture(scope="session")
+def tiny_classifier_dir(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
+) -> Callable[[str, int], Path]:
+    """``tiny_classifier_dir(name, num_labels)``: a saved random-weight
+    ``*ForSequenceClassification`` of ``TINY_MODELS[name]``'s config with ``num_labels``
+    outputs (transformers' ``score`` head)."""
+    made: dict[tuple[str, int], Path] = {}
+
+    def make(name: str, num_labels: int) -> Path:
+        if (name, num_labels) not in made:
+            config_class, overrides = {**TINY_MODELS, **SPECIAL_TINY_MODELS}[name]
+            config = getattr(transformers, config_class)(
+                **{**TINY_BASE_CONFIG, **overrides}, num_labels=num_labels
+            )
+            torch.manual_seed(0)
+            model = transformers.AutoModelForSequenceClassification.from_config(
+                config, dtype=torch.float32
+            )
+            path = tmp_path_factory.mktemp(f"{name}-classifier{num_labels}")
+            model.save_pretrained(path)
+            AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+            made[name, num_labels] = path
+        return made[name, num_labels]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def llama_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
     """The tiny random-weight Llama most engine tests run."""
     return tiny_model_dir("llama")

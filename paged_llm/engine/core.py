@@ -19,7 +19,8 @@ from paged_llm.engine.scheduler import ScheduledBatch, Scheduler
 from paged_llm.engine.sequence import FinishReason, Request, Sequence
 from paged_llm.engine.stats import EngineStats
 from paged_llm.metrics import Metric
-from paged_llm.outputs import RequestOutput
+from paged_llm.outputs import EngineOutput, RequestOutput
+from paged_llm.pooling_params import PoolingParams
 from paged_llm.sampling_params import BeamSearchParams, RequestOutputKind
 from paged_llm.seeds import derive_seed, request_seed
 from paged_llm.structured_outputs.xgrammar_backend import GrammarCompiler, SequenceGrammar
@@ -97,8 +98,9 @@ class EngineCore:
         return self.executor.runner
 
     def add_request(self, request: EngineRequest) -> Request:
-        """Queue a validated request: a generation, or a beam search (its output lists the
-        beams best first, see `OutputProcessor.make_beam_search_output`).
+        """Queue a validated request: a generation, a beam search (its output lists the
+        beams best first, see `OutputProcessor.make_beam_search_output`), or a pooling
+        request (one sequence that computes its prompt and samples nothing).
 
         Sequence i of the request draws from seed (base, i), where base is the request's
         own seed or else `request_seed` of the engine seed and the request's arrival
@@ -108,11 +110,24 @@ class EngineCore:
         self._num_requests += 1
         self._num_prompt_tokens += len(request.prompt_token_ids)
         params = request.params
+        arrival_seed = request_seed(self.config.seed, serial)
+        if isinstance(params, PoolingParams):
+            pooled = Request(
+                request.request_id,
+                request.prompt,
+                request.prompt_token_ids,
+                params,
+                time.time(),
+                lora_request=request.lora_request,
+            )
+            pooled.seqs = [Sequence(next(self._seq_ids), pooled, arrival_seed)]
+            self.scheduler.add(pooled.seqs[0])
+            self._unfinished[request.request_id] = pooled
+            return pooled
         grammar = None
         if params.structured_outputs is not None:
             assert self.grammar_compiler is not None, "LLM checks for a tokenizer"
             grammar = self.grammar_compiler.compile(params.structured_outputs)
-        arrival_seed = request_seed(self.config.seed, serial)
         if isinstance(params, BeamSearchParams):
             searched = self.beam_searcher.add_request(
                 request, arrival_seed, None if grammar is None else SequenceGrammar(grammar)
@@ -149,7 +164,7 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """Schedule, run and account one step; return the outputs of the requests it
         finished, then those of the unfinished ``CUMULATIVE`` or ``DELTA`` requests it
         added tokens to (``finished=False``)."""
@@ -183,27 +198,30 @@ class EngineCore:
             else:
                 self.scheduler.stop_at_string(seq, stop_str)
                 finished.append(seq)
-        outputs = (
-            [
-                self.output_processor.make_output(request)
-                for request in _unique_requests(finished)
-                if request.is_finished
-            ]
-            + [
-                self.output_processor.make_beam_search_output(request, beams)
-                for request, beams in searched
-            ]
-            + failed
-        )
+        outputs: list[EngineOutput] = [
+            self.output_processor.make_output(request)
+            if request.pooling_params is None
+            else self.output_processor.make_pooling_output(
+                request, output.pooled[request.seqs[0].seq_id]
+            )
+            for request in _unique_requests(finished)
+            if request.is_finished
+        ]
+        outputs += [
+            self.output_processor.make_beam_search_output(request, beams)
+            for request, beams in searched
+        ]
+        outputs += failed
         for request_output in outputs:
             request = self._unfinished.pop(request_output.request_id)
             self.stats.record_finished(request, request_output)
-        return outputs + [
+        progress: list[EngineOutput] = [
             self.output_processor.make_progress_output(request)
             for request in _unique_requests(sampling_seqs)
             if request.output_kind is not RequestOutputKind.FINAL_ONLY
             and request.request_id in self._unfinished
         ]
+        return outputs + progress
 
     def _fail_requests_without_token(
         self, batch: ScheduledBatch, output: StepOutput

@@ -23,6 +23,7 @@ from paged_llm.engine.batch import HostBatch, attention_metadata, build_host_bat
 from paged_llm.engine.cuda_graphs import DecodeGraphs
 from paged_llm.engine.lora_manager import LoRAModelSlots, LoRASlotTable, LoRAStepPlan
 from paged_llm.engine.persistent_batch import LogitsProcessors
+from paged_llm.engine.pooler import Pooler
 from paged_llm.engine.sampling_metadata import build_sampling_metadata
 from paged_llm.engine.scheduler import ScheduledBatch
 from paged_llm.engine.sequence import RawLogprobs, Sequence
@@ -54,10 +55,15 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalL
     platform = config.platform
     method = get_quantized_linear_method(config.quantization, platform.triton_linear)
     gguf_tensors: list[GroupQuantizedTensor] = []
+    context_has_lm_head = config.pooler is None
     if config.quantization == "gguf":
         source = gguf_source(config.model_dir)
         assert source is not None  # NOTE: EngineConfig.create checked it
-        gguf_tensors = list(quantized_tensors(source, config.hf_config, config.quantize_embeddings))
+        gguf_tensors = [
+            tensor
+            for tensor in quantized_tensors(source, config.hf_config, config.quantize_embeddings)
+            if context_has_lm_head or not tensor.name.startswith("lm_head.")
+        ]
     kept_quantized = {tensor.name for tensor in gguf_tensors}
 
     def vocab_method(name: str) -> QuantizedLinearMethod | None:
@@ -78,6 +84,7 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalL
         quant_method=method,
         embedding_quant_method=vocab_method("model.embed_tokens.weight"),
         lm_head_quant_method=vocab_method("lm_head.weight"),
+        lm_head=config.pooler is None,
     )
     model_class = get_model_class(config.hf_config)
     with torch.device("meta"):
@@ -147,6 +154,8 @@ class StepOutput:
     prompt_logprobs: dict[int, list[RawLogprobs]]
     # Sampling rows whose masks left no token: their tokens and logprobs mean nothing.
     no_token_rows: list[int] = field(default_factory=list)
+    # seq_id -> the pooler's output, for each pooling sequence whose prompt is computed.
+    pooled: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def _logprob_rows(tensors: LogprobsTensors, seqs: list[Sequence], field: str) -> list[RawLogprobs]:
@@ -187,6 +196,11 @@ class ModelRunner:
         self.kv_cache = torch.empty(0)
         self.decode_graphs: DecodeGraphs | None = None
         self._start_up()
+        self.pooler = (
+            Pooler(self.model, config.pooler)
+            if config.pooler is not None and self.tp.is_first
+            else None
+        )
         # Custom logits processors, on rank 0 only: the other ranks never sample.
         self.logits_processors = (
             LogitsProcessors(config, self.num_blocks)
@@ -368,7 +382,7 @@ class ModelRunner:
                 list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
                 for i in range(len(seq_lens))
             ],
-            samples=[True] * len(seq_lens),
+            samples=[self.model.lm_head is not None] * len(seq_lens),
             block_size=self.block_size,
         )
         with torch.inference_mode():
@@ -395,14 +409,15 @@ class ModelRunner:
         return hidden
 
     def _run(self, plan: StepPlan) -> Iterator[torch.Tensor | None]:
-        """The forward pass, then the logits of each group of rows in turn (None on ranks
-        other than 0, and for an empty group). Every rank runs the same sequence of
-        collectives, so each must consume the whole iterator."""
+        """The forward pass's hidden states, then the logits of each group of rows in turn
+        (None on ranks other than 0, and for an empty group). Every rank runs the same
+        sequence of collectives, so each must consume the whole iterator."""
         if plan.block_copies:
             self._copy_blocks(plan.block_copies)
         if self.lora_slots is not None:
             self.lora_slots.begin_step(plan.lora)
         hidden = self._forward(plan.host)
+        yield hidden
         for rows in plan.logits_rows:
             if len(rows) == 0:
                 yield None
@@ -456,11 +471,19 @@ class ModelRunner:
         if self.announce is not None:
             self.announce(plan)
         logits_groups = self._run(plan)
+        hidden = next(logits_groups)
+        assert hidden is not None
+        pooled = (
+            {}
+            if not batch.pooling_seqs or self.pooler is None
+            else self.pooler.pool(hidden, batch, host.query_start_loc)
+        )
         sampling_logits = next(logits_groups)
         output = StepOutput(
             sampled_token_ids=[],
             logprobs=None,
             prompt_logprobs=self._score_prompts(scoring, logits_groups),
+            pooled=pooled,
         )
         sampling_seqs = batch.sampling_seqs
         processing = (

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from paged_llm.engine.beam_search import FinishedBeam
 from paged_llm.engine.detokenizer import IncrementalDetokenizer, decode, find_stop_string
 from paged_llm.engine.sequence import FinishReason, RawLogprobs, Request, Sequence
-from paged_llm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from paged_llm.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PromptLogprobs,
+    RequestOutput,
+)
 from paged_llm.sampling_params import RequestOutputKind
 
 
@@ -184,6 +192,20 @@ class OutputProcessor:
                 None if raw is None else self._logprob_dict(raw) for raw in request.prompt_logprobs
             ]
         return _request_output(request, completions, prompt_logprobs, finished)
+
+    def make_pooling_output(
+        self, request: Request, data: torch.Tensor
+    ) -> PoolingRequestOutput[PoolingOutput]:
+        """The output of a finished pooling request: the pooler's ``data``."""
+        return PoolingRequestOutput(
+            request_id=request.request_id,
+            outputs=PoolingOutput(data),
+            prompt_token_ids=request.prompt_token_ids,
+            prompt=request.prompt,
+            num_cached_tokens=request.seqs[0].num_cached_tokens,
+            metrics=request.metrics,
+            lora_request=request.lora_request,
+        )
 
     def make_error_output(self, request: Request, reason: str, parameter: str) -> RequestOutput:
         """The output of a request the engine stopped: no completions, ``error`` the

@@ -10,19 +10,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from paged_llm.inputs import LoRARequest
+from paged_llm.pooling_params import PoolingParams
 from paged_llm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
     """A prompt, tokenized and checked against the model, and how to complete it: a
-    generation (`SamplingParams`) or a beam search (`BeamSearchParams`)."""
+    generation (`SamplingParams`), a beam search (`BeamSearchParams`), or a pooling request
+    (`PoolingParams`, its task and pooler resolved by the intake)."""
 
     request_id: str
     # The prompt's text, where the caller gave one (reported back in the output).
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams | BeamSearchParams
+    params: SamplingParams | BeamSearchParams | PoolingParams
     # Token sequences that are never generated: ``params.bad_words``, tokenized.
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # What the engine reports of it while it runs: `LLMEngine.add_request` takes

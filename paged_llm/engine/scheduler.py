@@ -25,6 +25,12 @@ and if its blocks are needed it gives them up and is paused (``paused``: it keep
 in ``max_num_seqs`` and its scores) rather than queued to be recomputed. The owner starts
 new sequences from it with `fork`, on its blocks, into the places it reserved
 (``Sequence.num_reserved_seqs``), and ends the ones it is done with through `release`.
+
+A pooling request's sequence (``Request.pooling_params``) is prefill only: it is chunked
+like any prompt, never samples (``ScheduledBatch.pooling_seqs`` instead of
+``sampling_seqs``), and `update` finishes it, freeing its blocks, in the step that computes
+its last prompt token. One pooled over every token (``Request.pools_every_token``) is
+admitted without cached blocks, since the cache holds no hidden states.
 """
 
 from __future__ import annotations
@@ -45,18 +51,25 @@ logger = logging.getLogger(__name__)
 class ScheduledBatch:
     """One step's work: ``num_scheduled_tokens[i]`` tokens of ``seqs[i]``, starting at its
     ``num_computed_tokens``. ``samples[i]``: the step reaches the sequence's last token,
-    so a new token is drawn for it."""
+    so a new token is drawn for it; never for a pooling sequence, which is in ``pooling_seqs``
+    instead (every chunk of its prompt is pooled)."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
     # The sequences with samples[i] set, in batch order: one sampled token each.
     sampling_seqs: list[Sequence] = field(default_factory=list)
+    # The sequences of pooling requests, in batch order: their chunks' hidden states are
+    # pooled, and the step that computes a prompt's last token finishes it.
+    pooling_seqs: list[Sequence] = field(default_factory=list)
     # (source, destination) cache blocks to copy before the forward (`BlockManager.fork`).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         sample = seq.num_computed_tokens + num_tokens == seq.num_tokens
+        if seq.request.pooling_params is not None:
+            self.pooling_seqs.append(seq)
+            sample = False
         self.seqs.append(seq)
         self.num_scheduled_tokens.append(num_tokens)
         self.samples.append(sample)
@@ -78,6 +91,7 @@ class ScheduledBatch:
         self.num_scheduled_tokens = [self.num_scheduled_tokens[i] for i in kept]
         self.samples = [self.samples[i] for i in kept]
         self.sampling_seqs = [self.sampling_seqs[row] for row in kept_rows]
+        self.pooling_seqs = [s for s in self.pooling_seqs if s.request_id not in request_ids]
         return kept_rows
 
 
@@ -167,11 +181,17 @@ class Scheduler:
                     break
                 held_back.append(self.waiting.popleft())
                 continue
-            # NOTE: cached blocks have no logits, so a prompt still owing prompt logprobs is
-            # computed from the first position whose logits it needs.
+            # NOTE: cached blocks have no logits and no hidden states, so a prompt still
+            # owing prompt logprobs is computed from the first position whose logits it
+            # needs, and one pooled over every token from position 0.
             needs_logits = seq.index == 0 and seq.request.needs_prompt_logprobs
             cached_prefix = self.block_manager.find_cached_prefix(
-                seq, len(seq.request.prompt_logprobs) if needs_logits else None
+                seq,
+                0
+                if seq.request.pools_every_token
+                else len(seq.request.prompt_logprobs)
+                if needs_logits
+                else None,
             )
             num_hits = len(cached_prefix)
             if num_hits < len(seq.block_hashes) and seq.block_hashes[num_hits] in in_flight:
@@ -265,6 +285,11 @@ class Scheduler:
                 seq.metrics.first_token_time = now
             seq.metrics.last_token_time = now
             if self._check_stop(seq):
+                finished.append(seq)
+        for seq in batch.pooling_seqs:
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.finish_reason = FinishReason.STOP
+                seq.metrics.first_token_time = seq.metrics.last_token_time = now
                 finished.append(seq)
         for seq in finished:
             self.release(seq)

@@ -7,6 +7,10 @@ next tokens of all its beams at once): a sequence of it that is scored then awai
 external step (``Sequence.awaits_external_step``), with nothing to compute, until its owner
 appends its next tokens and calls `Scheduler.resume`. Such an owner can also reserve places
 in ``max_num_seqs`` for the sequences it will start (``Sequence.num_reserved_seqs``).
+
+A pooling request (``Request.pooling_params``) samples nothing: its one sequence computes
+the prompt and finishes in the step that computes the prompt's last token, with the
+pooler's output instead of a token.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from paged_llm.inputs import LoRARequest
 from paged_llm.outputs import RequestMetrics
+from paged_llm.pooling_params import PoolingParams
 from paged_llm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -36,6 +41,10 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
 
 
+# What the sampling code reads of a pooling request, which samples nothing: no logprobs, no
+# prompt logprobs, no stop strings.
+PREFILL_ONLY = SamplingParams(max_tokens=1, detokenize=False)
+
 # Per scored position: (token ids, logprobs, rank of the first id); the first id is the
 # sampled (or prompt) token, the rest are the most likely tokens in order.
 RawLogprobs = tuple[list[int], list[float], int]
@@ -52,6 +61,8 @@ class Request:
         "lora_request",
         "metrics",
         "output_kind",
+        "pooling_params",
+        "pools_every_token",
         "prompt",
         "prompt_logprobs",
         "prompt_token_ids",
@@ -66,7 +77,7 @@ class Request:
         request_id: str,
         prompt: str | None,
         prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float,
         bad_words_token_ids: list[list[int]] | None = None,
         tokens_chosen_externally: bool = False,
@@ -82,7 +93,15 @@ class Request:
         )
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
+        # A pooling request's params; None for a generation.
+        self.pooling_params = params if isinstance(params, PoolingParams) else None
+        sampling_params = params if isinstance(params, SamplingParams) else PREFILL_ONLY
         self.sampling_params = sampling_params
+        # Pooled over every prompt token (MEAN, CLS, ALL), so computed from position 0: the
+        # prefix cache holds keys and values, not hidden states.
+        self.pools_every_token = (
+            self.pooling_params is not None and self.pooling_params.pooling_type != "LAST"
+        )
         self.bad_words_token_ids = bad_words_token_ids or []
         # What `OutputProcessor` reports of it before it finishes.
         self.output_kind = output_kind
@@ -138,6 +157,7 @@ class Sequence:
         "num_prompt_tokens",
         "num_reserved_seqs",
         "pending_forks",
+        "pooling_state",
         "request",
         "sampling_params",
         "seed",
@@ -178,6 +198,9 @@ class Sequence:
         # moves it on (`Scheduler.resume`); only for `Request.tokens_chosen_externally`.
         self.awaits_external_step = False
         self.logprobs: list[RawLogprobs] = []
+        # A pooling sequence's pooling of the prompt chunks computed so far, kept by rank 0's
+        # runner between steps (opaque here); a chunk from position 0 starts it anew.
+        self.pooling_state: object = None
         # Structured outputs: the matcher of this sequence's own tokens (each of the n
         # sequences has its own), or None.
         self.grammar = grammar

@@ -33,7 +33,7 @@ from itertools import accumulate
 from paged_llm.engine.scheduler import Scheduler
 from paged_llm.engine.sequence import Request, Sequence
 from paged_llm.metrics import Counter, Gauge, Histogram, Metric
-from paged_llm.outputs import RequestOutput
+from paged_llm.outputs import EngineOutput, RequestOutput
 
 # The ``finished_reason`` labels of ``vllm:request_success``, vLLM's `FinishReason`s; paged_llm
 # ends requests with "stop", "length" and (a request the engine fails) "error".
@@ -158,12 +158,15 @@ class EngineStats:
         self.num_generation_tokens += len(sampling_seqs)
         self._iteration_tokens.observe(num_prompt_tokens + len(sampling_seqs))
 
-    def record_finished(self, request: Request, output: RequestOutput) -> None:
+    def record_finished(self, request: Request, output: EngineOutput) -> None:
         """Count a request the engine reports finished: per completion its finish reason,
         token counts and the request's intervals; per request its ``n`` and its longest
         completion. A request the engine failed (``output.error``) counts as "error"."""
         if output.error is not None:
             self.request_success["error"] += 1
+            return
+        if not isinstance(output, RequestOutput):
+            self._record_pooling(request)
             return
         now = time.time()
         metrics = request.metrics
@@ -199,6 +202,22 @@ class EngineStats:
         histograms["vllm:request_max_num_generation_tokens"].observe(
             max((len(completion.token_ids) for completion in output.outputs), default=0)
         )
+
+    def _record_pooling(self, request: Request) -> None:
+        """Count a finished pooling request: its prompt, computed in the steps it ran, and
+        its times up to the step that pooled it; it generates no token."""
+        metrics = request.metrics
+        scheduled = metrics.first_scheduled_time
+        assert scheduled is not None, request
+        now = time.time()
+        num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_prompt_tokens += num_prompt_tokens
+        self.request_success["stop"] += 1
+        histograms = self.histograms
+        histograms["vllm:request_prompt_tokens"].observe(num_prompt_tokens)
+        histograms["vllm:e2e_request_latency_seconds"].observe(now - metrics.arrival_time)
+        histograms["vllm:request_queue_time_seconds"].observe(scheduled - metrics.arrival_time)
+        histograms["vllm:request_inference_time_seconds"].observe(now - scheduled)
 
     def metrics(self, model_name: str) -> list[Metric]:
         """The statistics as vLLM's snapshot lists them, labelled with ``model_name`` and

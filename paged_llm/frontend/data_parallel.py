@@ -11,7 +11,7 @@ pipes::
 
     front -> replica   ("add", [ReplicaRequest, ...]) | ("abort", None | [request_id, ...])
                        | ("call", (method, args)) | ("stop", None)
-    replica -> front   ("ready", EngineMetrics) | ("output", RequestOutput)
+    replica -> front   ("ready", EngineMetrics) | ("output", EngineOutput)
                        | ("reply", what the engine method returned) | ("failed", ChildFailure)
 
 A replica reads its commands on a thread of its own, so the front never blocks on a full
@@ -48,7 +48,7 @@ from paged_llm.frontend.replica_assignment import (
     resolve_seed,
 )
 from paged_llm.metrics import Metric
-from paged_llm.outputs import RequestOutput
+from paged_llm.outputs import EngineOutput
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class DataParallelEngine:
         self._num_requests = 0
         self._pending: list[ReplicaRequest] = []
         # Outputs received from the replicas and not yet returned by `step`.
-        self._arrived: list[RequestOutput] = []
+        self._arrived: list[EngineOutput] = []
         self._lost: list[str] = []
         self._losses: list[str] = []
         placements = place_replicas(num_replicas, tensor_parallel_size, _usable_cpus(), devices)
@@ -264,7 +264,7 @@ class DataParallelEngine:
             or any(replica.outstanding for replica in self._replicas)
         )
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """Send queued requests out, then wait for outputs: those of the requests that
         finished, and the progress of streaming ones (see `EngineCore.step`). Raises
         `RequestsLostError` for requests no replica is left to run."""

@@ -15,7 +15,7 @@ from paged_llm.engine.request import EngineRequest
 from paged_llm.engine_args import EngineArgs
 from paged_llm.frontend.model_info import ModelInfo
 from paged_llm.metrics import Metric
-from paged_llm.outputs import RequestOutput
+from paged_llm.outputs import EngineOutput
 
 
 class RequestsLostError(RuntimeError):
@@ -36,7 +36,7 @@ class EngineClient(Protocol):
 
     def has_unfinished(self) -> bool: ...
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """Run until some requests finish (one step in process); return those that did.
         Raises `RequestsLostError` for requests no engine is left to run."""
         ...

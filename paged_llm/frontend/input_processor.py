@@ -26,6 +26,7 @@ from paged_llm.engine.request import EngineRequest
 from paged_llm.exceptions import RequestError, VLLMValidationError
 from paged_llm.frontend.lora_requests import LoRARequestChecker, lora_per_prompt
 from paged_llm.frontend.model_info import ModelInfo
+from paged_llm.frontend.pooling_requests import check_runner, resolve_pooling_params
 from paged_llm.inputs import LoRARequest, PromptType
 from paged_llm.sampling_params import BeamSearchParams, SamplingParams
 from paged_llm.structured_outputs.params import StructuredOutputsParams
@@ -120,8 +121,42 @@ class InputProcessor:
         """Each prompt with its `SamplingParams` (and adapter, from ``lora_requests``) as an
         `EngineRequest`, or as a `RejectedRequest` whose `RequestError` names its index, the
         parameter at fault and the reason."""
+        check_runner(self.config, pooling=False, call="generate")
         return self._process(
             prompts, params, self._sampling_request, priority, tokenization_kwargs, lora_requests
+        )
+
+    def process_pooling(
+        self,
+        prompts: list[Any],
+        params: SequenceABC[object],
+        task: str,
+        *,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        lora_requests: SequenceABC[LoRARequest | None] | None = None,
+    ) -> list[ProcessedRequest]:
+        """Each prompt with its `PoolingParams` as a pooling request for ``task`` (a task
+        the engine's pooler serves: `pooling_requests.check_task`), or as a
+        `RejectedRequest`."""
+
+        def make_request(
+            prompt: _Prompt, request_params: object, lora_request: LoRARequest | None
+        ) -> EngineRequest:
+            resolved, prompt.token_ids = resolve_pooling_params(
+                self.config, request_params, task, prompt.token_ids
+            )
+            self._check_prompt(prompt.token_ids, room=0)
+            return EngineRequest(
+                prompt.request_id,
+                prompt.text,
+                prompt.token_ids,
+                resolved,
+                lora_request=lora_request,
+            )
+
+        check_runner(self.config, pooling=True, call=task)
+        return self._process(
+            prompts, params, make_request, None, tokenization_kwargs, lora_requests
         )
 
     def process_beam_search(
@@ -132,6 +167,7 @@ class InputProcessor:
     ) -> list[ProcessedRequest]:
         """Each prompt as a beam search with ``params`` (checked once, by
         `check_beam_search`), or as a `RejectedRequest`."""
+        check_runner(self.config, pooling=False, call="beam_search")
         return self._process(
             prompts, [params] * len(prompts), self._beam_search_request, None, None, lora_requests
         )
@@ -246,20 +282,27 @@ class InputProcessor:
             lora_request=lora_request,
         )
 
-    def _check_prompt(self, token_ids: list[int]) -> None:
-        """A prompt runs when it has at least one token, leaves room for one generated token
-        within max_model_len, and names only ids of the vocabulary."""
+    def _check_prompt(self, token_ids: list[int], room: int = 1) -> None:
+        """A prompt runs when it has at least one token, leaves ``room`` for generated
+        tokens within max_model_len (none for a pooling request), and names only ids of the
+        vocabulary."""
         max_model_len = self.config.max_model_len
         if not token_ids:
             raise RequestError(
                 "the prompt is empty (0 tokens); every request needs at least one prompt token.",
                 parameter="prompt",
             )
-        if len(token_ids) + 1 > max_model_len:
+        if len(token_ids) + room > max_model_len:
+            room_for = (
+                f"{max_model_len - 1} prompt tokens plus 1 generated token"
+                if room
+                else f"{max_model_len} prompt tokens (or truncate_prompt_tokens keeps the last "
+                "ones)"
+            )
             raise RequestError(
                 f"the prompt has {len(token_ids)} tokens, but max_model_len={max_model_len} "
-                f"leaves room for at most {max_model_len - 1} prompt tokens plus 1 generated "
-                "token. Shorten the prompt, or raise max_model_len (up to the model's "
+                f"leaves room for at most {room_for}. Shorten the prompt, or raise "
+                "max_model_len (up to the model's "
                 f"max_position_embeddings={self.config.hf_config.max_position_embeddings}).",
                 parameter="prompt",
                 value=len(token_ids),

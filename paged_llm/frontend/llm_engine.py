@@ -31,7 +31,7 @@ from paged_llm.frontend.input_processor import InputProcessor, RejectedRequest
 from paged_llm.frontend.model_info import ModelInfo
 from paged_llm.inputs import LoRARequest, PromptType
 from paged_llm.metrics import Metric
-from paged_llm.outputs import RequestOutput
+from paged_llm.outputs import EngineOutput
 from paged_llm.sampling_params import SamplingParams
 
 
@@ -147,7 +147,7 @@ class LLMEngine:
         )
         self._unfinished.add(request_id)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """Run one engine step (with data parallelism: until some request finishes); the
         outputs it produced, as `SamplingParams.output_kind` asks: for ``CUMULATIVE``
         (the default) and ``DELTA`` requests one output per step that added tokens

@@ -7,16 +7,21 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from paged_llm.pooling_params import PoolingParams
 from paged_llm.sampling_params import BeamSearchParams, SamplingParams
 from paged_llm.seeds import request_seed
 
 
 def request_cost(
-    num_prompt_tokens: int, params: SamplingParams | BeamSearchParams, max_model_len: int
+    num_prompt_tokens: int,
+    params: SamplingParams | BeamSearchParams | PoolingParams,
+    max_model_len: int,
 ) -> int:
     """Tokens a request makes its replica process: the prompt, and up to ``max_tokens`` for
     each of its ``n`` sequences or beams (``max_tokens=None`` runs up to
-    ``max_model_len``)."""
+    ``max_model_len``); a pooling request's prompt only."""
+    if isinstance(params, PoolingParams):
+        return num_prompt_tokens
     max_tokens = params.max_tokens
     if max_tokens is None:
         max_tokens = max_model_len - num_prompt_tokens
@@ -24,15 +29,15 @@ def request_cost(
 
 
 def resolve_seed(
-    params: SamplingParams | BeamSearchParams, engine_seed: int, serial: int
-) -> SamplingParams | BeamSearchParams:
+    params: SamplingParams | BeamSearchParams | PoolingParams, engine_seed: int, serial: int
+) -> SamplingParams | BeamSearchParams | PoolingParams:
     """``params`` with the base seed that a single `EngineCore` seeded ``engine_seed`` draws
     for its arrival number ``serial`` (`request_seed`), when the request has no seed of its
     own. Fixed by the front, it makes a request's tokens independent of which replica runs
     it and of that replica's own arrival count."""
     # NOTE: a beam search has no seed to fix (as in vLLM): its draws above temperature 0
-    # follow the replica's own arrival count.
-    if isinstance(params, BeamSearchParams) or params.seed is not None:
+    # follow the replica's own arrival count. A pooling request draws nothing.
+    if isinstance(params, (BeamSearchParams, PoolingParams)) or params.seed is not None:
         return params
     return replace(params, seed=request_seed(engine_seed, serial))
 

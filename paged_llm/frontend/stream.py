@@ -8,6 +8,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Generator, Iterator
+from typing import Generic, TypeVar, cast
 
 from tqdm.auto import tqdm
 
@@ -16,12 +17,12 @@ from paged_llm.engine.request import EngineRequest
 from paged_llm.exceptions import RequestError
 from paged_llm.frontend.engine_client import EngineClient, RequestsLostError
 from paged_llm.frontend.input_processor import ProcessedRequest, RejectedRequest
-from paged_llm.outputs import RequestOutput
+from paged_llm.outputs import EngineOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
 
-# What a stream yields per request: its output, or why it did not run.
-RequestResult = RequestOutput | RejectedRequest
+# What a stream's requests produce: generations or pooling outputs.
+OutputT = TypeVar("OutputT", RequestOutput, PoolingRequestOutput[PoolingOutput])
 ProgressBar = bool | Callable[..., tqdm]
 
 
@@ -56,9 +57,10 @@ class GenerationLock:
         self._lock.release()
 
 
-class GenerationStream:
-    """Iterates ``(input_index, RequestOutput)`` in completion order while the engine
-    runs; see `LLM.generate_stream`. A request refused under ``on_error="skip"`` comes as
+class GenerationStream(Generic[OutputT]):
+    """Iterates ``(input_index, RequestOutput)`` (for pooling requests their
+    `PoolingRequestOutput`) in completion order while the engine runs; see
+    `LLM.generate_stream`. A request refused under ``on_error="skip"`` comes as
     an output whose ``error`` is its `RequestError`'s text; `results` gives the error
     itself instead.
 
@@ -87,15 +89,17 @@ class GenerationStream:
         # NOTE: only a weak reference: the generator must not be kept alive by the stream
         # (nor the stream by the generator), so that leaving a loop early frees it at once
         # and its cleanup runs then, not whenever the cyclic GC gets to it.
-        self._iterator: weakref.ref[Generator[tuple[int, RequestResult], None, None]] | None = None
+        self._iterator: (
+            weakref.ref[Generator[tuple[int, OutputT | RejectedRequest], None, None]] | None
+        ) = None
 
-    def __iter__(self) -> Iterator[tuple[int, RequestOutput]]:
+    def __iter__(self) -> Iterator[tuple[int, RequestOutput | OutputT]]:
         return (
             (index, error_output(result) if isinstance(result, RejectedRequest) else result)
             for index, result in self.results()
         )
 
-    def results(self) -> Iterator[tuple[int, RequestResult]]:
+    def results(self) -> Iterator[tuple[int, OutputT | RejectedRequest]]:
         """``(input_index, RequestOutput | RejectedRequest)`` in completion order: a refused
         request as its `RejectedRequest`, whose `RequestError` names the parameter at fault
         and the reason apart."""
@@ -103,13 +107,17 @@ class GenerationStream:
             return iter(())
         if self._iterator is not None:
             return self._iterator() or iter(())
-        iterator = _run(
-            self._engine,
-            self._requests,
-            self._lock,
-            self._use_tqdm,
-            self._skip_errors,
-            self._log_stats,
+        # NOTE: a stream's requests are all of one kind, so its outputs are all OutputT.
+        iterator = cast(
+            Generator[tuple[int, OutputT | RejectedRequest], None, None],
+            _run(
+                self._engine,
+                self._requests,
+                self._lock,
+                self._use_tqdm,
+                self._skip_errors,
+                self._log_stats,
+            ),
         )
         self._iterator = weakref.ref(iterator)
         return iterator
@@ -122,9 +130,9 @@ class GenerationStream:
         if iterator is not None:
             iterator.close()
 
-    def collect(self, first_index: int = 0) -> list[RequestOutput]:
+    def collect(self, first_index: int = 0) -> list[RequestOutput | OutputT]:
         """Every output, in input order (the requests' indices start at ``first_index``)."""
-        results: list[RequestOutput | None] = [None] * self.num_requests
+        results: list[RequestOutput | OutputT | None] = [None] * self.num_requests
         try:
             for index, output in self:
                 results[index - first_index] = output
@@ -155,7 +163,7 @@ def _run(
     use_tqdm: ProgressBar,
     skip_errors: bool,
     log_stats: bool,
-) -> Generator[tuple[int, RequestResult], None, None]:
+) -> Generator[tuple[int, EngineOutput | RejectedRequest], None, None]:
     lock.acquire()
     # NOTE: from here to the release, the engine's requests are this stream's only, so the
     # cleanup's abort_all cancels nothing of another call's.
@@ -191,7 +199,10 @@ def _run(
                     continue
                 for output in outputs:
                     num_prompt_tokens += len(output.prompt_token_ids)
-                    num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    num_outputs = 1
+                    if isinstance(output, RequestOutput):
+                        num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                        num_outputs = len(output.outputs)
                     elapsed = max(time.perf_counter() - started, 1e-9)
                     progress.set_postfix_str(
                         f"est. speed input: {num_prompt_tokens / elapsed:.2f} toks/s, "
@@ -206,7 +217,7 @@ def _run(
                         progress.update(_num_sequences(requests[index]))
                         yield index, failed
                         continue
-                    progress.update(len(output.outputs))
+                    progress.update(num_outputs)
                     yield index, output
         finally:
             if engine.has_unfinished():
@@ -223,7 +234,7 @@ def _num_sequences(request: ProcessedRequest) -> int:
     return 1 if isinstance(request, RejectedRequest) else request.params.n
 
 
-def _failed(output: RequestOutput, index: int) -> RejectedRequest:
+def _failed(output: EngineOutput, index: int) -> RejectedRequest:
     """An output the engine ended with an error, as a refused request with its index."""
     assert output.error is not None
     return RejectedRequest(

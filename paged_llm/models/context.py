@@ -28,3 +28,6 @@ class ModelContext:
     # float. Only a method that `quantizes_embeddings`.
     embedding_quant_method: QuantizedLinearMethod | None = None
     lm_head_quant_method: QuantizedLinearMethod | None = None
+    # False: a pooling model, whose output is its hidden states (or a classifier head's):
+    # it is built without the LM head, and a checkpoint's LM head is left unread.
+    lm_head: bool = True

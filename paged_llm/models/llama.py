@@ -212,19 +212,27 @@ class LlamaForCausalLM(nn.Module):
             context.elementwise,
         )
         self.model = LlamaModel(config, context, self.rotary, attn_flags)
-        self.lm_head = ParallelLMHead(
-            config.vocab_size,
-            config.hidden_size,
-            context.tp,
-            context.dtype,
-            context.lm_head_quant_method,
+        self.lm_head = (
+            ParallelLMHead(
+                config.vocab_size,
+                config.hidden_size,
+                context.tp,
+                context.dtype,
+                context.lm_head_quant_method,
+            )
+            if context.lm_head
+            else None
+        )
+        # Checkpoint tensors this model has no place for and reads past.
+        self.unused_checkpoint_weights: tuple[str, ...] = (
+            () if context.lm_head else ("lm_head.weight",)
         )
         self.tie_weights()
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config says so; call again after
         `to_empty`, which materializes the two as separate tensors."""
-        if getattr(self.config, "tie_word_embeddings", False):
+        if self.lm_head is not None and getattr(self.config, "tie_word_embeddings", False):
             self.lm_head.tie_to(self.model.embed_tokens)
 
     def forward(
@@ -241,5 +249,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits of ``hidden``'s rows over the vocabulary (None on ranks other than 0)."""
+        assert self.lm_head is not None, "a pooling model computes no logits"
         logits: torch.Tensor | None = self.lm_head(hidden)
         return logits
