@@ -1,12 +1,16 @@
 """The `paged-llm` command line: argparse and `main`; the jobs themselves are `paged_llm.jobs`.
 
     paged-llm generate --input prompts.jsonl --output completions.jsonl [--resume]
-    paged-llm run-batch -i requests.jsonl -o results.jsonl [--resume]
+    paged-llm embed --input texts.jsonl --output vectors.jsonl [--output-format npy] [--resume]
+    paged-llm classify --input texts.jsonl --output probs.jsonl [--resume]
+    paged-llm run-batch -i requests.jsonl -o results.jsonl [--runner pooling] [--resume]
     paged-llm eval --model PATH --tasks ... (lm-evaluation-harness, the [eval] extra)
 
-``generate`` completes a JSONL file of ``{"id", "prompt"}`` or ``{"id", "messages"}`` rows
-(`paged_llm.jobs.rows`); ``run-batch`` runs an OpenAI Batch API file
-(`paged_llm.jobs.openai_batch`). Both append each result as it finishes and flush it to
+``generate`` completes a JSONL file of ``{"id", "prompt" | "messages" | "prompt_token_ids"}``
+rows (`paged_llm.jobs.rows`); ``embed`` and ``classify`` write each row's embedding or class
+probabilities with a pooling model (``--runner pooling`` implied; `paged_llm.jobs.pooling`);
+``run-batch`` runs an OpenAI Batch API file (`paged_llm.jobs.openai_batch`; ``/v1/embeddings``
+lines under ``--runner pooling``). All append each result as it finishes and flush it to
 disk, hold ``<output>.lock`` while they run, and with ``--resume`` repair a torn last line
 and run only the ids not yet written (`paged_llm.jobs.output`); a symlinked ``--output`` is
 followed to its file (`paged_llm.jobs.runner.run_job`). Every `EngineArgs` field is a flag
@@ -29,8 +33,15 @@ from typing import Any
 
 from paged_llm.engine_args import EngineArgs
 from paged_llm.jobs.lora_modules import LoRAModules
+from paged_llm.jobs.requests import GENERATE, POOLING_JOB_TASKS
 from paged_llm.jobs.rows import JobError
-from paged_llm.jobs.runner import DEFAULT_MAX_TOKENS, JobSpec, run_batch_job, run_generate_job
+from paged_llm.jobs.runner import (
+    DEFAULT_MAX_TOKENS,
+    JobSpec,
+    run_batch_job,
+    run_generate_job,
+    run_pooling_job,
+)
 from paged_llm.settings import FlexibleArgumentParser
 
 # The cluster flags of `paged-llm generate`, by their ProcessorConfig field.
@@ -96,16 +107,50 @@ def build_parser() -> FlexibleArgumentParser:
     _add_output_options(gen)
     _add_engine_options(gen)
 
+    for task, what in (("embed", "embedding"), ("classify", "class probabilities")):
+        pool = commands.add_parser(
+            task,
+            help=f"write the {what} of every row of a JSONL file (a pooling model)",
+            usage=_USAGE,
+            description=(
+                f"Write the {what} of every row of a JSONL file of {{id, prompt}} or {{id, "
+                "prompt_token_ids}} objects (optionally 'dimensions' and 'lora'), with the "
+                "model as a pooling model (--runner pooling is implied; --convert and "
+                f'--pooler-config apply). Output rows are {{id, "{POOLING_JOB_TASKS[task]}": '
+                "[...], prompt_tokens}, appended as they finish; after a crash, rerun with "
+                "--resume to finish the job."
+            ),
+        )
+        _add_file_options(pool, "input JSONL", "output JSONL (or .npy: --output-format)")
+        pool.add_argument_group("output").add_argument(
+            "--output-format",
+            choices=("jsonl", "npy"),
+            default="jsonl",
+            help="jsonl: a row per line as it finishes; npy: OUTPUT is a float32 .npy, one row "
+            "per input row in input order (NaN for a row that failed), with the ids in "
+            "OUTPUT.ids.jsonl, written when every row is done; the rows go to "
+            "OUTPUT.rows.jsonl meanwhile, which --resume continues",
+        )
+        _add_lora_options(
+            pool,
+            ("--lora", "--lora-modules"),
+            'register a LoRA adapter (a PEFT folder) under NAME, for the rows whose "lora" '
+            "names it (rows without one run on the base model)",
+        )
+        _add_output_options(pool)
+        _add_engine_options(pool)
+
     batch = commands.add_parser(
         "run-batch",
         help="run an OpenAI Batch API file (as vllm run-batch)",
         usage=_USAGE,
         description=(
             "Run every request of an OpenAI Batch API input file ({custom_id, method, url, "
-            "body} lines for /v1/chat/completions or /v1/completions) and write OpenAI's "
-            "batch output lines. Each body sets its own sampling; lines that cannot run get "
-            "a status 400 line. Results are appended as they finish; after a crash, rerun "
-            "with --resume to finish the job."
+            "body} lines for /v1/chat/completions or /v1/completions, or with --runner "
+            "pooling for /v1/embeddings) and write OpenAI's batch output lines. Each body "
+            "sets its own sampling; lines that cannot run (a url the model does not serve "
+            "among them) get a status 400 line. Results are appended as they finish; after a "
+            "crash, rerun with --resume to finish the job."
         ),
     )
     _add_file_options(batch, "batch input JSONL", "batch output JSONL")
@@ -256,6 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = _job_spec(args)
         if args.command == "run-batch":
             return run_batch_job(spec)
+        if args.command in POOLING_JOB_TASKS:
+            return run_pooling_job(spec)
         if args.ray_address is not None:
             # NOTE: imported only here: Ray is an optional extra.
             from paged_llm.ray.generate_job import run_on_cluster
@@ -297,6 +344,8 @@ def _job_spec(args: argparse.Namespace) -> JobSpec:
         progress=not args.no_progress,
         sampling=sampling,
         lora_modules=LoRAModules(args.lora_modules or {}, f"{args.lora_flag} NAME=PATH"),
+        task=args.command if args.command in POOLING_JOB_TASKS else GENERATE,
+        output_format=getattr(args, "output_format", "jsonl"),
     )
 
 

@@ -354,7 +354,7 @@ class LLM:
         """One embedding per prompt (``outputs.embedding``), in input order: the hidden
         states after the final norm, pooled (LAST token by default), cut to
         ``PoolingParams.dimensions`` and L2-normalized unless ``normalize=False``."""
-        outputs = self._pool(
+        outputs = self._pooling_call().run(
             prompts, pooling_params, "embed", use_tqdm, on_error, lora_request,
             tokenization_kwargs, truncate_prompt_tokens,
         )  # fmt: skip
@@ -374,7 +374,7 @@ class LLM:
         """One class distribution per prompt (``outputs.probs``) from a classifier
         (``*ForSequenceClassification``): the head's logits of the last token through
         softmax (sigmoid for one label; raw logits under ``use_activation=False``)."""
-        outputs = self._pool(
+        outputs = self._pooling_call().run(
             prompts, pooling_params, "classify", use_tqdm, on_error, lora_request,
             tokenization_kwargs, truncate_prompt_tokens,
         )  # fmt: skip
@@ -393,7 +393,7 @@ class LLM:
     ) -> list[PoolingRequestOutput[PoolingOutput]]:
         """One output per prompt token (``outputs.data``, ``[num_tokens, ...]``): the
         hidden states, or a classifier's head logits, of every token, raw."""
-        return self._pool(
+        return self._pooling_call().run(
             prompts, pooling_params, "reward", use_tqdm, on_error, lora_request,
             tokenization_kwargs, truncate_prompt_tokens,
         )  # fmt: skip
@@ -413,7 +413,7 @@ class LLM:
         """The pooler's output of ``pooling_task`` for every prompt (``outputs.data``, a
         tensor): "embed", "classify", "score", "token_embed", "token_classify", or
         "encode" (the default) and "reward" (every token's output, raw)."""
-        return self._pool(
+        return self._pooling_call().run(
             prompts, pooling_params, pooling_task or "encode", use_tqdm, on_error,
             lora_request, tokenization_kwargs, truncate_prompt_tokens,
         )  # fmt: skip
@@ -445,13 +445,13 @@ class LLM:
                     f"{pooler.num_labels}: use LLM.classify for its class probabilities."
                 )
             prompts: list[Any] = cross_encoder_prompts(pairs, self.tokenizer, tokenization_kwargs)
-            outputs = self._pool(
+            outputs = self._pooling_call().run(
                 prompts, pooling_params, "score", use_tqdm, on_error, lora_request, None,
                 truncate_prompt_tokens,
             )  # fmt: skip
             return [ScoringRequestOutput.from_base(output) for output in outputs]
         first, second = prompt_list(data_1), prompt_list(data_2)
-        embeddings = self._pool(
+        embeddings = self._pooling_call().run(
             first + second, pooling_params, "embed", use_tqdm, on_error, lora_request,
             tokenization_kwargs, truncate_prompt_tokens,
         )  # fmt: skip
@@ -460,27 +460,32 @@ class LLM:
             embeddings,
         )
 
-    def _pool(
+    def encode_stream(
         self,
         prompts: PromptType | SequenceABC[PromptType],
-        pooling_params: PoolingParams | SequenceABC[PoolingParams] | None,
-        task: str,
-        use_tqdm: bool | Callable[..., tqdm],
-        on_error: str,
-        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None,
-        tokenization_kwargs: dict[str, Any] | None,
-        truncate_prompt_tokens: int | None,
-    ) -> list[PoolingRequestOutput[PoolingOutput]]:
-        call = PoolingCall(
+        pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = False,
+        on_error: str = "raise",
+        *,
+        pooling_task: str = "encode",
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> GenerationStream[PoolingRequestOutput[PoolingOutput]]:
+        """Like `encode`, but yields ``(input_index, output)`` as each request finishes,
+        as `generate_stream` does (``results()`` gives a refused request's `RequestError`)."""
+        return self._pooling_call().stream(
+            prompts, pooling_params, pooling_task, use_tqdm, on_error, lora_request,
+            tokenization_kwargs, truncate_prompt_tokens,
+        )  # fmt: skip
+
+    def _pooling_call(self) -> PoolingCall:
+        return PoolingCall(
             self.processor,
             self._idle_engine(),
             self._generation_lock,
             log_stats=not self.args.disable_log_stats,
         )
-        return call.run(
-            prompts, pooling_params, task, use_tqdm, on_error, lora_request,
-            tokenization_kwargs, truncate_prompt_tokens,
-        )  # fmt: skip
 
     # ----- chat ---------------------------------------------------------------------
 

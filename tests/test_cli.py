@@ -11,6 +11,7 @@ import pytest
 
 from paged_llm import cli
 from paged_llm.cli import main
+from paged_llm.jobs.rows import JobError
 from paged_llm.jobs.runner import JobSpec
 from paged_llm.lora.request import LoRARequest
 from paged_llm.settings import parse_bytes
@@ -150,6 +151,24 @@ def test_help_lists_the_engine_flags_in_their_groups_and_how_rows_are_seeded(
     assert compatibility < help_text.index("--swap-space")
     assert help_text.count("--seed SEED") == 1
     assert "samples with one derived from this and its id" in help_text
+
+
+@pytest.mark.parametrize("command", ["embed", "classify"])
+def test_pooling_commands_take_the_output_format_and_the_pooling_engine_flags(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--output-format {jsonl,npy}" in help_text and "OUTPUT.ids.jsonl" in help_text
+    for flag in ("--convert", "--pooler-config", "--lora NAME=PATH", "--max-model-len"):
+        assert flag in help_text
+    assert "--ray-address" not in help_text and "--temperature" not in help_text
+
+
+def test_npy_output_is_for_pooling_jobs_only(tmp_path: Path) -> None:
+    with pytest.raises(JobError, match="--output-format npy holds vectors"):
+        JobSpec(tmp_path / "in.jsonl", tmp_path / "out.npy", "m", output_format="npy")
 
 
 def test_parse_bytes() -> None:

@@ -115,3 +115,21 @@ def test_lora_eval_scores_each_adapter_and_the_base_model(llama_dir: Path, tmp_p
     scores = re.findall(r"^(.+): (\d)/8 answered$", out, re.MULTILINE)
     assert [name for name, _ in scores] == ["qv", "mlp", "base model"]
     assert "24 requests under 2 adapters and the base model" in out
+
+
+def test_dedup_by_embedding_drops_repeated_rows_with_the_tiny_model_as_an_embedder(
+    model: str, tmp_path: Path
+) -> None:
+    texts = ["A cat sat on the mat.", "The river runs to the sea.", "A cat sat on the mat."]
+    texts += ["Trains leave at noon.", "The river runs to the sea.", "Something else entirely."]
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)))
+    output = tmp_path / "kept.jsonl"
+    out = run_example(
+        "dedup_by_embedding.py",
+        *("--model", model, "--input", str(source), "--output", str(output)),
+        *("--threshold", "0.9999", "--max-model-len", "64"),
+    )
+    assert "Embedded 6 rows (64 dimensions); kept 4, dropped 2" in out
+    kept = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [row["id"] for row in kept] == [0, 1, 3, 5]

@@ -312,3 +312,22 @@ def test_params_are_checked_on_construction(make: Callable[[], object], paramete
     with pytest.raises(VLLMValidationError, match=parameter) as raised:
         make()
     assert raised.value.parameter == parameter
+
+
+def test_encode_stream_yields_each_output_with_its_index_and_errors_as_values(
+    llama_dir: Path,
+) -> None:
+    from paged_llm.frontend.input_processor import RejectedRequest
+
+    prompts = [{"prompt_token_ids": [100 + i] * (3 + i)} for i in range(3)]
+    prompts.insert(1, {"prompt_token_ids": []})
+    with LLM(llama_dir, runner="pooling", max_model_len=64) as llm:
+        expected = llm.embed([prompts[0], *prompts[2:]], use_tqdm=False)
+        stream = llm.encode_stream(prompts, pooling_task="embed", on_error="skip")
+        results = dict(stream.results())
+    assert sorted(results) == [0, 1, 2, 3]
+    assert isinstance(results[1], RejectedRequest) and results[1].error.parameter == "prompt"
+    for index, want in zip([0, 2, 3], expected, strict=True):
+        torch.testing.assert_close(
+            results[index].outputs.data, torch.tensor(want.outputs.embedding)
+        )

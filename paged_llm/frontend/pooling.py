@@ -40,7 +40,7 @@ class PoolingCall:
     lock: GenerationLock
     log_stats: bool
 
-    def run(
+    def stream(
         self,
         prompts: PromptType | SequenceABC[PromptType],
         pooling_params: PoolingParams | SequenceABC[PoolingParams] | None,
@@ -50,9 +50,9 @@ class PoolingCall:
         lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None,
         tokenization_kwargs: dict[str, Any] | None,
         truncate_prompt_tokens: int | None,
-    ) -> list[PoolingResult]:
-        """``task`` over every prompt; one output per prompt, in input order (a refused
-        one, under ``on_error="skip"``, with ``error`` set and ``outputs`` None)."""
+    ) -> GenerationStream[PoolingResult]:
+        """``task`` over every prompt, validated here (under ``on_error="raise"`` the first
+        refused request raises now); the stream yields each output as it finishes."""
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}.")
         pooler = self.processor.config.pooler
@@ -71,7 +71,7 @@ class PoolingCall:
             for request in requests:
                 if isinstance(request, RejectedRequest):
                     raise request.error
-        stream: GenerationStream[PoolingResult] = GenerationStream(
+        return GenerationStream(
             self.engine,
             requests,
             self.lock,
@@ -79,7 +79,25 @@ class PoolingCall:
             skip_errors=on_error == "skip",
             log_stats=self.log_stats,
         )
-        results: list[PoolingResult | None] = [None] * len(requests)
+
+    def run(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        pooling_params: PoolingParams | SequenceABC[PoolingParams] | None,
+        task: str,
+        use_tqdm: bool | Callable[..., tqdm],
+        on_error: str,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None,
+        tokenization_kwargs: dict[str, Any] | None,
+        truncate_prompt_tokens: int | None,
+    ) -> list[PoolingResult]:
+        """``task`` over every prompt; one output per prompt, in input order (a refused
+        one, under ``on_error="skip"``, with ``error`` set and ``outputs`` None)."""
+        stream = self.stream(
+            prompts, pooling_params, task, use_tqdm, on_error, lora_request,
+            tokenization_kwargs, truncate_prompt_tokens,
+        )  # fmt: skip
+        results: list[PoolingResult | None] = [None] * stream.num_requests
         try:
             for index, result in stream.results():
                 results[index] = (
@@ -88,7 +106,7 @@ class PoolingCall:
         finally:
             stream.close()
         outputs = [result for result in results if result is not None]
-        assert len(outputs) == len(requests)
+        assert len(outputs) == stream.num_requests
         return outputs
 
 

@@ -3,10 +3,12 @@ SamplingParams, results into response lines, as OpenAI's Batch API and ``vllm ru
 write them.
 
 Input lines are ``{"custom_id", "method": "POST", "url", "body"}`` with the url
-``/v1/chat/completions`` or ``/v1/completions``. Output lines are
+``/v1/chat/completions``, ``/v1/completions`` or ``/v1/embeddings`` (run by a pooling model,
+`paged_llm.jobs.openai_embeddings`). Output lines are
 ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``: a
-``chat.completion`` or ``text_completion`` object with status 200, or for a request that
-cannot run an OpenAI error body with status 400 and ``error`` set to the same message.
+``chat.completion``, ``text_completion`` or embeddings ``list`` object with status 200, or for
+a request that cannot run an OpenAI error body with status 400 and ``error`` set to the same
+message.
 
 A body's ``"model"`` chooses what runs it, as ``vllm serve --lora-modules NAME=PATH`` does: a
 registered LoRA adapter's name runs the request under that adapter; one of the served
@@ -39,7 +41,10 @@ from paged_llm.structured_outputs import StructuredOutputsParams
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-URLS = (CHAT_URL, COMPLETIONS_URL)
+EMBEDDINGS_URL = "/v1/embeddings"
+URLS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
+# How an embedding is written: a list of floats, or OpenAI's base64 of little-endian float32.
+ENCODING_FORMATS = ("float", "base64")
 # OpenAI's default length for a text completion; a chat completion runs up to the context.
 _DEFAULT_COMPLETION_MAX_TOKENS = 16
 
@@ -75,6 +80,10 @@ _COMPLETION_FIELDS = frozenset(
     {"model", "prompt", "max_tokens", "logit_bias", "logprobs", "echo", "best_of", "suffix"}
     | {"response_format", "stream"}
 )
+# OpenAI's embeddings fields, and vLLM's truncate_prompt_tokens (keep the last k tokens).
+_EMBEDDING_FIELDS = frozenset(
+    {"model", "input", "dimensions", "encoding_format", "truncate_prompt_tokens"}
+)
 
 
 @dataclass(slots=True)
@@ -107,6 +116,11 @@ class BatchRequest:
     @property
     def is_chat(self) -> bool:
         return self.url == CHAT_URL
+
+    @property
+    def is_embeddings(self) -> bool:
+        """An embeddings request (a pooling model's); otherwise a generation, or a bad line."""
+        return self.error is None and self.url == EMBEDDINGS_URL
 
 
 def read_requests(path: Path) -> list[BatchRequest]:
@@ -179,13 +193,27 @@ def _check_line(line: int, record: object, first_line_of: dict[str, int]) -> dic
 def _check_body(request: BatchRequest) -> None:
     """The body's fields and JSON types; value ranges are SamplingParams' to check."""
     body = request.body
-    allowed = (_CHAT_FIELDS if request.is_chat else _COMPLETION_FIELDS) | set(_SAMPLING_FIELDS)
+    allowed = (
+        _EMBEDDING_FIELDS
+        if request.url == EMBEDDINGS_URL
+        else (_CHAT_FIELDS if request.is_chat else _COMPLETION_FIELDS) | set(_SAMPLING_FIELDS)
+    )
     unknown = sorted(set(body) - allowed - _IGNORED_FIELDS)
     if unknown:
         raise RequestError(
             f"unknown body field(s) {', '.join(map(repr, unknown))} for {request.url}",
             parameter=unknown[0],
         )
+    if request.url == EMBEDDINGS_URL:
+        embedding_inputs(request)
+        encoding = body.get("encoding_format", "float")
+        if encoding not in ENCODING_FORMATS:
+            raise RequestError(
+                f"'encoding_format' must be one of {', '.join(map(repr, ENCODING_FORMATS))}, "
+                f"got {encoding!r}",
+                parameter="encoding_format",
+            )
+        return
     if body.get("stream"):
         raise RequestError("'stream' must be false in a batch file", parameter="stream")
     try:
@@ -235,6 +263,27 @@ def _single_prompt(body: dict[str, Any]) -> object:
 def _all_token_ids(values: list[Any]) -> bool:
     return bool(values) and all(
         isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values
+    )
+
+
+def embedding_inputs(request: BatchRequest) -> list[str | TokensPrompt]:
+    """The prompts of an embeddings body's ``"input"`` (a string, a list of strings, a list
+    of token ids, or a list of such lists), one embedding each; a `RequestError` (parameter
+    ``input``) for any other value."""
+    value = request.body.get("input")
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if _all_token_ids(value):
+            return [TokensPrompt(prompt_token_ids=[int(t) for t in value])]
+        if all(isinstance(item, str) for item in value):
+            return list(value)
+        if all(isinstance(item, list) and _all_token_ids(item) for item in value):
+            return [TokensPrompt(prompt_token_ids=[int(t) for t in item]) for item in value]
+    raise RequestError(
+        "'input' must be a string, a non-empty list of strings, a non-empty list of token "
+        "ids, or a list of such lists",
+        parameter="input",
     )
 
 
@@ -362,6 +411,11 @@ def success_line(
             "total_tokens": len(output.prompt_token_ids) + completion_tokens,
         },
     }
+    return _line(request, 200, body, None)
+
+
+def response_line(request: BatchRequest, body: dict[str, Any]) -> dict[str, Any]:
+    """The output line of a request that ran, with its response ``body``: status 200."""
     return _line(request, 200, body, None)
 
 

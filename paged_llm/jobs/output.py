@@ -72,19 +72,34 @@ class RowCounts:
             setattr(self, count.name, getattr(self, count.name) + getattr(other, count.name))
 
     def summary(
-        self, output: Path, num_skipped: int, seconds: float, *, loading_included: bool = False
+        self,
+        output: Path,
+        num_skipped: int,
+        seconds: float,
+        *,
+        loading_included: bool = False,
+        pooled: bool = False,
     ) -> str:
         """The job's last line; ``seconds`` is the time spent generating, so that the output
         tokens per second leave out loading the model, unless ``loading_included`` says the
-        figure could not separate them (a cluster's actors load while others generate)."""
+        figure could not separate them (a cluster's actors load while others generate). A
+        ``pooled`` job (embed, classify) generates nothing: its rate is prompt tokens per
+        second."""
         timed = f"{seconds:.1f} s" + (
             ", the actors' model loading included" if loading_included else ""
         )
-        return (
+        done = (
             f"Done: {self.num_written} rows written to {output} ({self.num_errors} errors), "
-            f"{num_skipped} skipped as already done; {self.prompt_tokens} prompt + "
-            f"{self.completion_tokens} completion tokens in {timed} "
-            f"({self.completion_tokens / seconds:.1f} output tok/s)."
+            f"{num_skipped} skipped as already done; "
+        )
+        if pooled:
+            return (
+                f"{done}{self.prompt_tokens} prompt tokens in {timed} "
+                f"({self.prompt_tokens / seconds:.1f} prompt tok/s)."
+            )
+        return (
+            f"{done}{self.prompt_tokens} prompt + {self.completion_tokens} completion tokens in "
+            f"{timed} ({self.completion_tokens / seconds:.1f} output tok/s)."
         )
 
 

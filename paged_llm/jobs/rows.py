@@ -1,16 +1,22 @@
-"""The rows of a ``paged-llm generate`` job: ``{"id": ..., "prompt": "..."}`` or
-``{"id": ..., "messages": [...]}`` JSON objects, one per line (or Parquet records with the
-same columns), each optionally constrained by ``"structured_outputs"`` (the fields of
-`StructuredOutputsParams`) or OpenAI's ``"response_format"``, and optionally run under the
-LoRA adapter its ``"lora"`` names (one the job registers, `paged_llm.jobs.lora_modules`).
+"""The rows of a ``paged-llm generate`` job: ``{"id": ..., "prompt": "..."}``,
+``{"id": ..., "messages": [...]}`` or ``{"id": ..., "prompt_token_ids": [...]}`` JSON
+objects, one per line (or Parquet records with the same columns), each optionally
+constrained by ``"structured_outputs"`` (the fields of `StructuredOutputsParams`) or
+OpenAI's ``"response_format"``, and optionally run under the LoRA adapter its ``"lora"``
+names (one the job registers, `paged_llm.jobs.lora_modules`).
+
+The rows of a pooling job (``paged-llm embed``, ``classify``) are the same less
+``"messages"`` and the constraints, plus an optional ``"dimensions"`` (embed: keep the
+first this many dimensions, `PoolingParams.dimensions`).
 
 A malformed row (not JSON, JSON nested deeper than `MAX_JSON_DEPTH`, no id, a duplicate id,
-neither or both of prompt and messages, malformed messages, a ``"lora"`` that is not a
-string) is a bad line: a job lists every bad line and generates nothing. A row that is well
-formed but cannot run keeps its place and gets an error row instead: text that is not valid
-Unicode (JSON can spell a lone UTF-16 surrogate, ``"\\ud83d"``, an emoji cut in half, which
-no tokenizer or UTF-8 file can hold), a ``"lora"`` the job has not registered, or a prompt
-the model refuses.
+not exactly one of the prompt fields, malformed messages or token ids, a ``"lora"`` that is
+not a string, a field its job kind does not take) is a bad line: a job lists every bad line
+and runs nothing. A row that is well formed but cannot run keeps its place and gets an error
+row instead: text that is not valid Unicode (JSON can spell a lone UTF-16 surrogate,
+``"\\ud83d"``, an emoji cut in half, which no tokenizer or UTF-8 file can hold), a
+``"lora"`` the job has not registered, a ``"dimensions"`` out of range, or a prompt the
+model refuses.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any
 
 from paged_llm.exceptions import ConversationError
 from paged_llm.frontend.chat import check_conversation
+from paged_llm.inputs import TokensPrompt
 from paged_llm.structured_outputs import StructuredOutputsParams
 
 # At most this many bad lines are listed before the rest are only counted.
@@ -45,22 +52,26 @@ class InputRow:
 
     line: int | None
     id: str | int
-    # The row's "prompt" text, or its chat "messages" (a row gives exactly one of them).
-    prompt: str | list[dict[str, Any]]
+    # The row's "prompt" text, its chat "messages" or its "prompt_token_ids" (a row gives
+    # exactly one of them).
+    prompt: str | list[dict[str, Any]] | TokensPrompt
     # Why the row cannot run (written as its error row instead of generating), or None.
     error: str | None = None
     # The row's "structured_outputs" or "response_format", or None.
     structured_outputs: StructuredOutputsParams | None = None
     # The name of the LoRA adapter the row runs under (its "lora"), or None: the base model.
     lora: str | None = None
+    # A pooling row's "dimensions" as given (checked by PoolingParams), or None.
+    dimensions: object = None
 
     def located(self, message: str) -> str:
         """``message`` after the row's line number, where that is known."""
         return message if self.line is None else f"line {self.line}: {message}"
 
 
-def read_input(path: Path) -> list[InputRow]:
-    """Parse and validate the input JSONL; raise JobError listing every bad line."""
+def read_input(path: Path, *, pooling: bool = False) -> list[InputRow]:
+    """Parse and validate the input JSONL (a pooling job's rows under ``pooling``); raise
+    JobError listing every bad line."""
     rows: list[InputRow] = []
     errors: list[str] = []
     first_line_of: dict[str | int, int] = {}
@@ -69,7 +80,7 @@ def read_input(path: Path) -> list[InputRow]:
             if not raw.strip():
                 continue
             try:
-                row = parse_line(line_number, decode_line(raw), first_line_of)
+                row = parse_line(line_number, decode_line(raw), first_line_of, pooling=pooling)
             except ValueError as error:
                 errors.append(f"{path}:{line_number}: {error}")
                 continue
@@ -143,17 +154,33 @@ def _lone_surrogate(value: object) -> str | None:
     return None
 
 
-def parse_line(line_number: int | None, text: str, first_line_of: dict[str | int, int]) -> InputRow:
+def parse_line(
+    line_number: int | None,
+    text: str,
+    first_line_of: dict[str | int, int],
+    *,
+    pooling: bool = False,
+) -> InputRow:
     """One input line as a row; ValueError says why it is a bad line. ``first_line_of`` maps
     the ids seen so far to their lines, to refuse a duplicate."""
-    return parse_record(line_number, parse_json(text), first_line_of)
+    return parse_record(line_number, parse_json(text), first_line_of, pooling=pooling)
+
+
+# The fields that give a row's prompt; a row gives exactly one.
+_PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
+# The fields a pooling row does not take (the job kind that does, for the message).
+_GENERATE_ONLY_FIELDS = ("messages", "structured_outputs", "response_format")
 
 
 def parse_record(
-    line_number: int | None, record: object, first_line_of: dict[str | int, int]
+    line_number: int | None,
+    record: object,
+    first_line_of: dict[str | int, int],
+    *,
+    pooling: bool = False,
 ) -> InputRow:
-    """One input record (a line's JSON value, or a Parquet row) as a row; ValueError says why
-    it is a bad line."""
+    """One input record (a line's JSON value, or a Parquet row) as a row of a generating
+    job, or of a pooling one under ``pooling``; ValueError says why it is a bad line."""
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
     if "id" not in record:
@@ -163,18 +190,41 @@ def parse_record(
         raise ValueError(f"'id' must be a string or an integer, got {row_id!r}")
     if row_id in first_line_of:
         raise ValueError(f"duplicate id {row_id!r} (first seen on line {first_line_of[row_id]})")
-    prompt, messages = record.get("prompt"), record.get("messages")
-    if (prompt is None) == (messages is None):
-        which = "both 'prompt' and" if prompt is not None else "neither 'prompt' nor"
-        raise ValueError(f"row {row_id!r} has {which} 'messages'; give exactly one")
-    text_or_messages: str | list[dict[str, Any]]
-    if messages is None:
-        if not isinstance(prompt, str):
-            raise ValueError(f"'prompt' must be a string, got {type(prompt).__name__}")
-        text_or_messages = prompt
+    if pooling:
+        given = [name for name in _GENERATE_ONLY_FIELDS if record.get(name) is not None]
+        if given:
+            raise ValueError(
+                f"row {row_id!r} has '{given[0]}', which a pooling job does not take (only "
+                "`paged-llm generate` does); give 'prompt' or 'prompt_token_ids'"
+            )
+    elif record.get("dimensions") is not None:
+        raise ValueError(
+            f"row {row_id!r} has 'dimensions', which only a pooling job (`paged-llm embed`) takes"
+        )
+    given = [name for name in _PROMPT_FIELDS if record.get(name) is not None]
+    if len(given) != 1:
+        accepted = [name for name in _PROMPT_FIELDS if not (pooling and name == "messages")]
+        raise ValueError(
+            f"row {row_id!r} has {' and '.join(map(repr, given)) or 'no prompt'}; give exactly "
+            f"one of {', '.join(map(repr, accepted))}"
+        )
+    prompt_field, value = given[0], record[given[0]]
+    text_or_messages: str | list[dict[str, Any]] | TokensPrompt
+    if prompt_field == "prompt":
+        if not isinstance(value, str):
+            raise ValueError(f"'prompt' must be a string, got {type(value).__name__}")
+        text_or_messages = value
+    elif prompt_field == "prompt_token_ids":
+        if not (
+            isinstance(value, list)
+            and value
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+        ):
+            raise ValueError("'prompt_token_ids' must be a non-empty list of token ids (ints >= 0)")
+        text_or_messages = TokensPrompt(prompt_token_ids=value)
     else:
         try:
-            text_or_messages = check_conversation(messages)
+            text_or_messages = check_conversation(value)
         except ConversationError as error:
             raise ValueError(messages_problem(error)) from None
     lora = record.get("lora")
@@ -186,13 +236,11 @@ def parse_record(
         text_or_messages,
         structured_outputs=_structured_outputs(record),
         lora=lora,
+        dimensions=record.get("dimensions"),
     )
     # NOTE: a lone surrogate fails the row, not the job: the tokenizer cannot take it, but the
     # row is well formed, and its error row tells the user which one to fix.
-    for field, value in (
-        ("id", row_id),
-        ("prompt" if messages is None else "messages", row.prompt),
-    ):
+    for field, value in (("id", row_id), (prompt_field, row.prompt)):
         if (surrogate := _lone_surrogate(value)) is not None:
             row.error = row.located(
                 f"the {field} is not valid Unicode: it has a lone surrogate {surrogate} (half "

@@ -11,12 +11,21 @@ import ray.data
 import torch
 
 from paged_llm.engine_args import EngineArgs
-from paged_llm.exceptions import RequestError
+from paged_llm.exceptions import RequestError, VLLMValidationError
 from paged_llm.inputs import TokensPrompt
 from paged_llm.jobs.lora_modules import LoRAModules
-from paged_llm.jobs.requests import JobRequest, chat_prompt, run_requests, sampling_params_over
+from paged_llm.jobs.requests import (
+    GENERATE,
+    POOLING_JOB_TASKS,
+    JobRequest,
+    chat_prompt,
+    run_requests,
+    sampling_params_over,
+)
 from paged_llm.llm import LLM
-from paged_llm.outputs import RequestOutput
+from paged_llm.outputs import PoolingRequestOutput, RequestOutput
+from paged_llm.pooling_params import PoolingParams
+from paged_llm.sampling_params import SamplingParams
 
 Row = dict[str, Any]
 # What an actor does with one batch of rows, given its LLM: the output rows.
@@ -46,6 +55,9 @@ class ProcessorConfig:
             node); a row's ``lora`` column names the one it runs under. Ids are 1, 2, ... in
             this order, and any adapter turns ``enable_lora`` on (``max_loras`` and
             ``max_lora_rank`` in ``engine_kwargs``, as for `LLM`).
+        task: ``"generate"`` (a completion per row), or a pooling task: ``"embed"`` (an
+            ``embedding`` column) or ``"classify"`` (``probs``), which builds each actor's
+            `LLM` with ``runner="pooling"``.
     """
 
     model_source: str
@@ -55,8 +67,14 @@ class ProcessorConfig:
     num_cpus_per_actor: float = 1
     num_gpus_per_actor: float = 0
     lora_modules: dict[str, str] = field(default_factory=dict)
+    task: str = GENERATE
 
     def __post_init__(self) -> None:
+        if self.task != GENERATE and self.task not in POOLING_JOB_TASKS:
+            raise ValueError(
+                f"ProcessorConfig.task must be {GENERATE!r} or one of "
+                f"{', '.join(map(repr, POOLING_JOB_TASKS))}, got {self.task!r}."
+            )
         for name in ("concurrency", "batch_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -82,7 +100,15 @@ class ProcessorConfig:
 
     def llm_kwargs(self) -> dict[str, Any]:
         """Each actor's `LLM` keyword arguments."""
-        return self.adapters.llm_kwargs(self.engine_kwargs)
+        kwargs = dict(self.engine_kwargs)
+        if self.task in POOLING_JOB_TASKS:
+            if kwargs.get("runner", "pooling") not in ("pooling", "auto"):
+                raise ValueError(
+                    f"ProcessorConfig(task={self.task!r}) runs a pooling model, and "
+                    f"engine_kwargs has runner={kwargs['runner']!r}: leave runner out."
+                )
+            kwargs["runner"] = "pooling"
+        return self.adapters.llm_kwargs(kwargs)
 
 
 class _LLMActor:
@@ -147,12 +173,15 @@ class Processor:
         if self.preprocess is not None:
             rows = [{**row, **self.preprocess(row)} for row in rows]
         results: list[Row] = [{} for _ in rows]
-        adapters = self.config.adapters
-        requests = [_request(llm, row, adapters) for row in rows]
-        for position, result in run_requests(llm, requests, progress=False):
-            results[position] = (
-                _failed(result.reason) if isinstance(result, RequestError) else _generated(result)
-            )
+        adapters, task = self.config.adapters, self.config.task
+        requests = [_request(llm, row, adapters, task) for row in rows]
+        for position, result in run_requests(llm, requests, progress=False, task=task):
+            if isinstance(result, RequestError):
+                results[position] = _failed(task, result.reason)
+            elif isinstance(result, RequestOutput):
+                results[position] = _generated(result)
+            else:
+                results[position] = _pooled(task, result)
         done = [{**row, **result} for row, result in zip(rows, results, strict=True)]
         return done if self.postprocess is None else [self.postprocess(row) for row in done]
 
@@ -162,16 +191,21 @@ def build_processor(
     preprocess: Callable[[Row], Row] | None = None,
     postprocess: Callable[[Row], Row] | None = None,
 ) -> Processor:
-    """A processor that generates a completion for every row of a dataset.
+    """A processor that generates a completion for every row of a dataset (or, under
+    ``config.task`` "embed" or "classify", pools it).
 
     ``preprocess(row)`` gives the request's columns, merged over the row: ``prompt`` (text),
-    ``messages`` (a chat, rendered with the model's template) or ``prompt_token_ids``, and
-    ``sampling_params`` (a dict of `SamplingParams` fields over the model's defaults; a
-    null field is unset, as Arrow fills the fields a row lacks with nulls), and ``lora``
-    (the name of an adapter of ``config.lora_modules``; null: the base model). The processor
-    adds ``generated_text``, ``generated_token_ids``, ``num_generated_tokens``,
-    ``num_prompt_tokens``, ``finish_reason`` and ``error``, and ``postprocess(row)`` maps
-    the result to the output row; without it, every column comes out.
+    ``messages`` (a chat, rendered with the model's template; not for pooling) or
+    ``prompt_token_ids``, and ``sampling_params`` (a dict of `SamplingParams` fields over
+    the model's defaults; a null field is unset, as Arrow fills the fields a row lacks with
+    nulls) or for pooling ``pooling_params`` (a dict of `PoolingParams` fields:
+    ``dimensions``, ``normalize``, ``truncate_prompt_tokens``, ...), and ``lora`` (the name
+    of an adapter of ``config.lora_modules``; null: the base model). The processor adds
+    ``generated_text``, ``generated_token_ids``, ``num_generated_tokens``,
+    ``num_prompt_tokens``, ``finish_reason`` and ``error`` (for pooling: ``embedding`` or
+    ``probs``, a list of floats, ``num_prompt_tokens`` and ``error``), and
+    ``postprocess(row)`` maps the result to the output row; without it, every column comes
+    out.
 
     A row that cannot run (its prompt longer than ``max_model_len``, invalid sampling
     params, malformed messages, an adapter name not registered) gets ``error`` set and an
@@ -181,34 +215,39 @@ def build_processor(
     return Processor(config, preprocess, postprocess)
 
 
-def _request(llm: LLM, row: Row, adapters: LoRAModules) -> JobRequest | RequestError:
-    """A row's prompt, sampling params and adapter, or why the row cannot run."""
+def _request(llm: LLM, row: Row, adapters: LoRAModules, task: str) -> JobRequest | RequestError:
+    """A row's prompt, sampling (or pooling) params and adapter, or why the row cannot
+    run."""
     given = [column for column in PROMPT_COLUMNS if row.get(column) is not None]
     if len(given) != 1:
         return RequestError(
             f"a row needs exactly one of {', '.join(PROMPT_COLUMNS)} after preprocess, got "
             f"{', '.join(given) if given else 'none'}"
         )
-    sampling = row.get("sampling_params") or {}
-    if not isinstance(sampling, dict):
+    params_column = "sampling_params" if task == GENERATE else "pooling_params"
+    values = row.get(params_column) or {}
+    if not isinstance(values, dict):
+        kind = "SamplingParams" if task == GENERATE else "PoolingParams"
         return RequestError(
-            f"sampling_params must be a dict of SamplingParams fields, got {sampling!r}",
-            parameter="sampling_params",
+            f"{params_column} must be a dict of {kind} fields, got {values!r}",
+            parameter=params_column,
         )
+    given_values = {name: value for name, value in values.items() if value is not None}
     try:
-        params = sampling_params_over(
-            llm.get_default_sampling_params(),
-            {name: value for name, value in sampling.items() if value is not None},
+        params = (
+            _sampling_params(llm, given_values)
+            if task == GENERATE
+            else _pooling_params(given_values)
         )
-        if params.n != 1:
-            raise RequestError(
-                f"sampling_params n={params.n}: a row gets one completion; repeat the row instead",
-                parameter="n",
-            )
         lora = adapters.select(row.get("lora"), "lora")
         column = given[0]
         value = row[column]
         if column == "messages":
+            if task != GENERATE:
+                raise RequestError(
+                    f"the {task!r} task takes a prompt or prompt_token_ids, not messages",
+                    parameter="messages",
+                )
             return JobRequest(chat_prompt(llm, list(value)), params, lora)
         if column == "prompt_token_ids":
             return JobRequest(TokensPrompt(prompt_token_ids=list(value)), params, lora)
@@ -219,6 +258,25 @@ def _request(llm: LLM, row: Row, adapters: LoRAModules) -> JobRequest | RequestE
         return JobRequest(value, params, lora)
     except RequestError as error:
         return error
+
+
+def _sampling_params(llm: LLM, values: dict[str, Any]) -> SamplingParams:
+    params = sampling_params_over(llm.get_default_sampling_params(), values)
+    if params.n != 1:
+        raise RequestError(
+            f"sampling_params n={params.n}: a row gets one completion; repeat the row instead",
+            parameter="n",
+        )
+    return params
+
+
+def _pooling_params(values: dict[str, Any]) -> PoolingParams:
+    try:
+        return PoolingParams(**values)
+    except TypeError as error:
+        raise RequestError(f"invalid pooling_params: {error}", parameter="pooling_params") from None
+    except VLLMValidationError as error:
+        raise RequestError.of(error) from None
 
 
 def _generated(output: RequestOutput) -> Row:
@@ -233,7 +291,17 @@ def _generated(output: RequestOutput) -> Row:
     }
 
 
-def _failed(error: str) -> Row:
+def _pooled(task: str, output: PoolingRequestOutput[Any]) -> Row:
+    return {
+        POOLING_JOB_TASKS[task]: output.outputs.data.tolist(),
+        "num_prompt_tokens": len(output.prompt_token_ids),
+        "error": None,
+    }
+
+
+def _failed(task: str, error: str) -> Row:
+    if task != GENERATE:
+        return {POOLING_JOB_TASKS[task]: None, "num_prompt_tokens": 0, "error": error}
     return {
         "generated_text": "",
         "generated_token_ids": [],

@@ -87,10 +87,11 @@ def test_bad_input_lines_are_all_reported_by_line_number(
     for expected in (
         "in.jsonl:2: missing 'id'",
         "in.jsonl:4: duplicate id 'a' (first seen on line 1)",
-        "in.jsonl:5: row 'b' has neither 'prompt' nor 'messages'",
+        "in.jsonl:5: row 'b' has no prompt; give exactly one of 'prompt', 'messages', "
+        "'prompt_token_ids'",
         "in.jsonl:6: not valid JSON",
         "in.jsonl:7: 'messages' must be a non-empty list",
-        "in.jsonl:8: row 'd' has both 'prompt' and 'messages'",
+        "in.jsonl:8: row 'd' has 'prompt' and 'messages'; give exactly one of",
         "in.jsonl:9: 'id' must be a string or an integer, got 1.5",
     ):
         assert expected in err

@@ -107,7 +107,7 @@ def test_completion_prompts_are_text_or_token_ids() -> None:
             "'custom_id' must be a non-empty string",
             None,
         ),
-        ({**chat({}), "url": "/v1/embeddings"}, "unsupported url '/v1/embeddings'", "url"),
+        ({**chat({}), "url": "/v1/moderations"}, "unsupported url '/v1/moderations'", "url"),
         ({**chat({}), "method": "GET"}, "'method' must be \"POST\"", None),
         ({**chat({}), "body": "hi"}, "'body' must be a JSON object", "body"),
         (chat({"temprature": 1}), "unknown body field(s) 'temprature'", "temprature"),

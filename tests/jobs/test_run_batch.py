@@ -140,7 +140,7 @@ def test_run_batch_answers_bad_lines_with_400_and_runs_the_rest(
     }
     expected = {
         "line 2:None": "not valid JSON",
-        "line 3:embed": "unsupported url '/v1/embeddings'",
+        "line 3:embed": "url '/v1/embeddings' needs a pooling model",
         "line 4:cold": "SamplingParams.temperature must be >= 0",
         "line 5:typo": "unknown body field(s) 'max_tokenz'",
         "line 6:good": "duplicate custom_id 'good' (first seen on line 1)",

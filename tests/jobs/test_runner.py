@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
-from types import TracebackType
+from types import SimpleNamespace, TracebackType
 from typing import Any
 
 import pytest
@@ -20,10 +20,11 @@ LOAD_SECONDS = 2.0
 
 
 class SlowLoadingLLM:
-    """Stands for `LLM` in the runner: it only takes long to load."""
+    """Stands for `LLM` in the runner: it only takes long to load, and generates."""
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         time.sleep(LOAD_SECONDS)
+        self.config = SimpleNamespace(pooler=None)
 
     def __enter__(self) -> SlowLoadingLLM:
         return self
