@@ -3,6 +3,7 @@ peft run one prompt at a time, under every engine path that changes a step's sha
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -312,3 +313,25 @@ def test_logprobs_are_the_adapted_models_and_structured_outputs_apply(
         torch.tensor(ours), expected[torch.arange(len(prompt) - 1), prompt[1:]], atol=1e-4, rtol=0
     )
     assert all(output.outputs[0].text in choices for output in chosen)
+
+
+def test_embeddings_under_an_adapter_are_the_adapted_models(
+    llama_dir: Path, adapters: Callable, one_thread: None
+) -> None:
+    import peft
+    import transformers
+
+    lora = adapters("llama")[1]
+    prompts = token_prompts(3, seed=8)
+    with LLM(llama_dir, runner="pooling", max_model_len=64, enable_lora=True) as llm:
+        outputs = llm.embed(as_inputs(prompts), use_tqdm=False, lora_request=[lora, None, lora])
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(base, lora.lora_path)
+    for prompt, output, under in zip(prompts, outputs, [True, False, True], strict=True):
+        adapter = contextlib.nullcontext() if under else adapted.disable_adapter()
+        with torch.no_grad(), adapter:
+            hidden = adapted.base_model.model.model(torch.tensor([prompt])).last_hidden_state
+        expected = torch.nn.functional.normalize(hidden[0, -1], dim=-1)
+        torch.testing.assert_close(
+            torch.tensor(output.outputs.embedding), expected, atol=1e-4, rtol=0
+        )
