@@ -7,7 +7,9 @@ Engines (names as on the command line):
     paged_llm      paged_llm.LLM.generate, greedy, ignore_eos.
     hf_static<N>   transformers ``generate`` with static batches of N requests in workload
                    order, left padding; every row runs to the batch's longest output and
-                   only each request's own tokens count as useful output.
+                   only each request's own tokens count as useful output. With LoRA
+                   adapters, transformers + PEFT: each adapter's requests in turn, in
+                   static batches, after ``set_adapter``.
     hf_cb          transformers continuous batching (``init_continuous_batching``, the
                    engine behind ``generate_batch``) with its paged KV cache and SDPA.
     vllm           vLLM's offline ``LLM`` (its CPU build), run by
@@ -35,6 +37,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.lora import adapter_index, llm_lora_settings, round_robin_lora_requests
 from benchmarks.workloads import BenchRequest, Workload, random_token_requests
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -80,6 +83,9 @@ class EngineOptions:
     quantization: str | None = None
     # paged_llm only: after the timed run, also measure `benchmarks.perplexity`.
     measure_perplexity: bool = False
+    # paged_llm and hf_static<N>: LoRA adapter directories (PEFT's format); request i (of
+    # the workload and of the warm-up) uses adapter `adapter_index(i, len(lora_adapters))`.
+    lora_adapters: tuple[str, ...] = ()
     # vllm only: the python of the venv that benchmarks/peers/setup_vllm_cpu.sh made.
     vllm_python: str | None = None
     # vllm only: profile the timed run with vLLM's worker profiler into this folder
@@ -186,11 +192,14 @@ class PagedLLMEngine(Engine):
             kv_cache_dtype=options.kv_cache_dtype,
             attention_backend=options.attention_backend,
             quantization=options.quantization,
+            **llm_lora_settings(options.lora_adapters),
         )
         self.structured = options.structured
+        self.lora_adapters = options.lora_adapters
 
     def generate(self, requests: list[BenchRequest]) -> list[list[int]]:
-        outputs = generate_greedy(self.llm, requests, self.structured)
+        lora_requests = round_robin_lora_requests(self.lora_adapters, len(requests))
+        outputs = generate_greedy(self.llm, requests, self.structured, lora_requests)
         return [list(o.outputs[0].token_ids) for o in outputs]
 
     def counters(self) -> dict[str, float]:
@@ -214,6 +223,7 @@ class PagedLLMEngine(Engine):
             "batch_invariant": config.batch_invariant,
             "quantization": config.quantization,
             "dtype": str(config.dtype).removeprefix("torch."),
+            "max_loras": None if config.lora is None else config.lora.max_loras,
         }
 
     def quality(self, measure_perplexity: bool) -> dict[str, float]:
@@ -251,13 +261,18 @@ def greedy_params(max_tokens: int, structured: str | None = None) -> Any:
 
 
 def generate_greedy(
-    llm: Any, requests: list[BenchRequest], structured: str | None = None
+    llm: Any,
+    requests: list[BenchRequest],
+    structured: str | None = None,
+    lora_requests: list[Any] | None = None,
 ) -> list[Any]:
-    """paged_llm's ``RequestOutput``s for ``requests``, greedy, each to its own length."""
+    """paged_llm's ``RequestOutput``s for ``requests``, greedy, each to its own length
+    (under its `LoRARequest`, where ``lora_requests`` gives one per request)."""
     return llm.generate(
         [{"prompt_token_ids": r.prompt_token_ids} for r in requests],
         [greedy_params(r.max_tokens, structured) for r in requests],
         use_tqdm=False,
+        lora_request=lora_requests,
     )
 
 
@@ -283,7 +298,11 @@ def _pad_token_id(model: Any) -> int:
 
 
 class HFStaticEngine(Engine):
-    """transformers ``generate`` over consecutive fixed-size batches, left padded."""
+    """transformers ``generate`` over consecutive fixed-size batches, left padded.
+
+    With LoRA adapters, the model is a ``PeftModel`` that loaded every adapter once; each
+    adapter's requests run in turn (in workload order, in batches of N) after
+    ``set_adapter``, PEFT's way of serving several adapters."""
 
     def __init__(self, options: EngineOptions, batch_size: int) -> None:
         self.name = f"hf_static{batch_size}"
@@ -291,54 +310,94 @@ class HFStaticEngine(Engine):
         self.device = options.device
         self.model = load_hf_model(options, "sdpa")
         self.pad_token_id = _pad_token_id(self.model)
+        self.adapter_names = [f"adapter-{index}" for index in range(len(options.lora_adapters))]
+        if options.lora_adapters:
+            from peft import PeftModel
 
-    def _batches(self, requests: list[BenchRequest]) -> list[list[BenchRequest]]:
+            first, *others = options.lora_adapters
+            self.model = PeftModel.from_pretrained(
+                self.model, first, adapter_name=self.adapter_names[0]
+            )
+            for name, path in zip(self.adapter_names[1:], others, strict=True):
+                self.model.load_adapter(path, adapter_name=name)
+            self.model.eval()
+
+    def _batches(self, requests: list[BenchRequest]) -> list[tuple[str | None, list[int]]]:
+        """(adapter name or None, request indices) of each batch: each adapter's requests
+        in workload order, cut into batches of ``batch_size``."""
+        num_adapters = len(self.adapter_names)
+        groups: list[tuple[str | None, list[int]]] = (
+            [
+                (name, [i for i in range(len(requests)) if adapter_index(i, num_adapters) == k])
+                for k, name in enumerate(self.adapter_names)
+            ]
+            if num_adapters
+            else [(None, list(range(len(requests))))]
+        )
         return [
-            requests[start : start + self.batch_size]
-            for start in range(0, len(requests), self.batch_size)
+            (name, indices[start : start + self.batch_size])
+            for name, indices in groups
+            for start in range(0, len(indices), self.batch_size)
         ]
 
     def generate(self, requests: list[BenchRequest]) -> list[list[int]]:
+        results: list[list[int]] = [[] for _ in requests]
+        for adapter_name, indices in self._batches(requests):
+            if adapter_name is not None:
+                self.model.set_adapter(adapter_name)
+            batch = [requests[i] for i in indices]
+            for index, tokens in zip(indices, self._generate_batch(batch), strict=True):
+                results[index] = tokens
+        return results
+
+    def _generate_batch(self, batch: list[BenchRequest]) -> list[list[int]]:
+        """Each request's tokens, the batch generated at once."""
         from transformers import GenerationConfig
 
-        results: list[list[int]] = []
-        for batch in self._batches(requests):
-            longest_prompt = max(len(r.prompt_token_ids) for r in batch)
-            input_ids = torch.full((len(batch), longest_prompt), self.pad_token_id)
-            attention_mask = torch.zeros((len(batch), longest_prompt), dtype=torch.long)
-            for row, request in enumerate(batch):
-                length = len(request.prompt_token_ids)
-                input_ids[row, longest_prompt - length :] = torch.tensor(request.prompt_token_ids)
-                attention_mask[row, longest_prompt - length :] = 1
-            # Static batching: the whole batch decodes until its longest request is done.
-            max_new_tokens = max(r.max_tokens for r in batch)
-            config = GenerationConfig(
-                do_sample=False,
-                max_new_tokens=max_new_tokens,
-                eos_token_id=None,
-                pad_token_id=self.pad_token_id,
+        longest_prompt = max(len(r.prompt_token_ids) for r in batch)
+        input_ids = torch.full((len(batch), longest_prompt), self.pad_token_id)
+        attention_mask = torch.zeros((len(batch), longest_prompt), dtype=torch.long)
+        for row, request in enumerate(batch):
+            length = len(request.prompt_token_ids)
+            input_ids[row, longest_prompt - length :] = torch.tensor(request.prompt_token_ids)
+            attention_mask[row, longest_prompt - length :] = 1
+        # Static batching: the whole batch decodes until its longest request is done.
+        max_new_tokens = max(r.max_tokens for r in batch)
+        config = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=None,
+            pad_token_id=self.pad_token_id,
+        )
+        with torch.inference_mode():
+            generated = self.model.generate(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                generation_config=config,
             )
-            with torch.inference_mode():
-                generated = self.model.generate(
-                    input_ids=input_ids.to(self.device),
-                    attention_mask=attention_mask.to(self.device),
-                    generation_config=config,
+        new_tokens = generated[:, longest_prompt:].tolist()
+        results: list[list[int]] = []
+        for row, request in enumerate(batch):
+            if len(new_tokens[row]) != max_new_tokens:
+                raise RuntimeError(
+                    f"{self.name}: row {row} got {len(new_tokens[row])} tokens, expected "
+                    f"{max_new_tokens}; EOS was not ignored."
                 )
-            new_tokens = generated[:, longest_prompt:].tolist()
-            for row, request in enumerate(batch):
-                if len(new_tokens[row]) != max_new_tokens:
-                    raise RuntimeError(
-                        f"{self.name}: row {row} got {len(new_tokens[row])} tokens, expected "
-                        f"{max_new_tokens}; EOS was not ignored."
-                    )
-                results.append(new_tokens[row][: request.max_tokens])
+            results.append(new_tokens[row][: request.max_tokens])
         return results
 
     def computed_output_tokens(self, requests: list[BenchRequest]) -> int:
-        return sum(len(b) * max(r.max_tokens for r in b) for b in self._batches(requests))
+        return sum(
+            len(indices) * max(requests[i].max_tokens for i in indices)
+            for _, indices in self._batches(requests)
+        )
 
     def settings(self) -> dict[str, Any]:
-        return {"batch_size": self.batch_size, "attn_implementation": "sdpa"}
+        return {
+            "batch_size": self.batch_size,
+            "attn_implementation": "sdpa",
+            "lora_adapters": len(self.adapter_names),
+        }
 
 
 class HFContinuousEngine(Engine):
@@ -472,13 +531,14 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def warmup_requests(max_model_len: int) -> list[BenchRequest]:
+def warmup_requests(max_model_len: int, num_adapters: int = 0) -> list[BenchRequest]:
     """Requests every engine runs before it is timed, so that first-call costs (allocator
-    growth, kernel selection, lazy init) stay out of the timed run. They must fit
-    max_model_len, which a tiny workload makes small."""
+    growth, kernel selection, lazy init, loading each LoRA adapter: one request per adapter)
+    stay out of the timed run. They must fit max_model_len, which a tiny workload makes
+    small."""
     input_len = max(1, min(32, max_model_len // 2))
     return random_token_requests(
-        num_requests=2,
+        num_requests=max(2, num_adapters),
         input_len=input_len,
         output_len=max(1, min(4, max_model_len - input_len)),
         seed=_WARMUP_SEED,
@@ -558,7 +618,9 @@ def write_job(name: str, options: EngineOptions, workload: Workload, job_path: P
         "engine": name,
         "options": asdict(options),
         "workload": workload.to_json(),
-        "warmup": [asdict(r) for r in warmup_requests(options.max_model_len)],
+        "warmup": [
+            asdict(r) for r in warmup_requests(options.max_model_len, len(options.lora_adapters))
+        ],
     }
     job_path.write_text(json.dumps(job))
 

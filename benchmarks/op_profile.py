@@ -9,8 +9,12 @@ profiler's bookkeeping slows the run a little; the wall time printed is the prof
 (benchmarks/peers/setup_vllm_cpu.sh) with vLLM's worker profiler, which records the
 process that runs the model; its table is read back and printed the same way.
 
+``--lora N`` profiles paged_llm serving N adapters written by peft, given to the requests
+round robin (as ``benchmarks.throughput --lora N``).
+
 Run from the repository root:
     python -m benchmarks.op_profile --workload b [--engine vllm]
+    python -m benchmarks.op_profile --workload b --lora 4
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from benchmarks.engines import (
     generate_greedy,
     run_engine_in_subprocess,
 )
+from benchmarks.lora import llm_lora_settings, round_robin_lora_requests, write_benchmark_adapters
 from benchmarks.models import add_model_arguments, resolve_benchmark_model
 from benchmarks.report import format_table, machine_info, write_json
 from benchmarks.workloads import WORKLOAD_KINDS, Workload, WorkloadSpec, build_workload
@@ -64,9 +69,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_model_arguments(parser)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="N",
+        help="paged_llm serves N LoRA adapters, round robin over the requests",
+    )
     parser.add_argument("--top", type=int, default=15, help="operators to list")
     parser.add_argument("--out", type=Path, default=None, help="write JSON results here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.lora and args.engine == VLLM_ENGINE:
+        parser.error("--lora profiles paged_llm only.")
+    return args
 
 
 @dataclass
@@ -79,14 +94,28 @@ class Profile:
     wall_seconds: float
 
 
-def profile_paged_llm(model_dir: Path, dtype: str, workload: Workload) -> Profile:
-    """paged_llm's `Profile` of the workload, run in this process."""
-    with LLM(model_dir, dtype=dtype, device="cpu", max_model_len=workload.max_seq_len) as llm:
-        # Warm-up on the first request alone: oneDNN and the allocator settle.
-        generate_greedy(llm, workload.requests[:1])
+def profile_paged_llm(
+    model_dir: Path, dtype: str, workload: Workload, lora_adapters: list[str]
+) -> Profile:
+    """paged_llm's `Profile` of the workload (its requests under ``lora_adapters`` round
+    robin), run in this process."""
+    with LLM(
+        model_dir,
+        dtype=dtype,
+        device="cpu",
+        max_model_len=workload.max_seq_len,
+        **llm_lora_settings(lora_adapters),
+    ) as llm:
+        # Warm-up on the first request (one per adapter): oneDNN and the allocator settle,
+        # the adapters load.
+        warmup = workload.requests[: max(1, len(lora_adapters))]
+        generate_greedy(
+            llm, warmup, lora_requests=round_robin_lora_requests(lora_adapters, len(warmup))
+        )
+        lora_requests = round_robin_lora_requests(lora_adapters, len(workload.requests))
         with profile(activities=[ProfilerActivity.CPU]) as profiler:
             started = time.perf_counter()
-            generate_greedy(llm, workload.requests)
+            generate_greedy(llm, workload.requests, lora_requests=lora_requests)
             wall_seconds = time.perf_counter() - started
     operators = [
         {"name": e.key, "self_cpu_seconds": e.self_cpu_time_total / 1e6, "calls": e.count}
@@ -173,7 +202,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 model_dir, args.dtype, args.threads, args.vllm_python, workload, Path(tmp)
             )
         else:
-            result = profile_paged_llm(model_dir, args.dtype, workload)
+            lora_adapters = write_benchmark_adapters(model_dir, args.lora, Path(tmp) / "adapters")
+            result = profile_paged_llm(model_dir, args.dtype, workload, lora_adapters)
 
     operators = sorted(result.operators, key=lambda op: op["self_cpu_seconds"], reverse=True)
     for op in operators:

