@@ -191,7 +191,7 @@ class InputProcessor:
         texts = {
             index: text
             for index, prompt in enumerate(prompts)
-            if (text := _text(prompt)) is not None
+            if (text := prompt_text(prompt)) is not None
         }
         encoded = self._encode(texts, tokenization_kwargs or {})
         processed: list[ProcessedRequest] = []
@@ -517,7 +517,7 @@ class InputProcessor:
         return sequences
 
 
-def _text(prompt: Any) -> str | None:
+def prompt_text(prompt: Any) -> str | None:
     """The text of a prompt given as text: a str, or a `TextPrompt` without token ids."""
     if isinstance(prompt, str):
         return prompt

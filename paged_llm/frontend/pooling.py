@@ -15,7 +15,12 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from paged_llm.frontend.engine_client import EngineClient
-from paged_llm.frontend.input_processor import InputProcessor, RejectedRequest, prompt_list
+from paged_llm.frontend.input_processor import (
+    InputProcessor,
+    RejectedRequest,
+    prompt_list,
+    prompt_text,
+)
 from paged_llm.frontend.lora_requests import lora_per_prompt
 from paged_llm.frontend.pooling_requests import check_task
 from paged_llm.frontend.stream import GenerationLock, GenerationStream
@@ -175,17 +180,8 @@ def score_pairs(
     return list(zip(first, second, strict=True))
 
 
-def _text(prompt: Any) -> str | None:
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
-        text = prompt.get("prompt")
-        return text if isinstance(text, str) else None
-    return None
-
-
 def _token_ids(prompt: Any, tokenizer: PreTrainedTokenizerBase | None, side: str) -> list[int]:
-    text = _text(prompt)
+    text = prompt_text(prompt)
     if text is None:
         if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
             raise ValueError(
@@ -210,7 +206,7 @@ def cross_encoder_prompts(
     """Each pair as one prompt for a cross-encoder: text pairs joined by the tokenizer
     (``tokenizer(text, text_pair)``, in one batched call), pairs given as token ids by its
     ``build_inputs_with_special_tokens`` (concatenated without a tokenizer)."""
-    texts = [(_text(a), _text(b)) for a, b in pairs]
+    texts = [(prompt_text(a), prompt_text(b)) for a, b in pairs]
     if tokenizer is not None and all(a is not None and b is not None for a, b in texts):
         encoded = tokenizer(
             [a for a, _ in texts], [b for _, b in texts], **(tokenization_kwargs or {})
