@@ -40,6 +40,7 @@ from paged_llm.frontend.pooling import (
     score_pairs,
 )
 from paged_llm.frontend.stream import GenerationLock, GenerationStream
+from paged_llm.frontend.training_loop import TrainingLoopMethods
 from paged_llm.inputs import LoRARequest, PromptType, TokensPrompt
 from paged_llm.metrics import Metric
 from paged_llm.outputs import (
@@ -57,7 +58,7 @@ from paged_llm.sampling_params import BeamSearchParams, SamplingParams
 from paged_llm.vllm_names import refusal
 
 
-class LLM:
+class LLM(TrainingLoopMethods):
     """An offline batch-inference engine for one model.
 
     Args:

@@ -22,7 +22,7 @@ from paged_llm.layers.quantization.prequantized import PreQuantizedCheckpoint
 from paged_llm.layers.weights import CheckpointTensor
 
 # Buffers some checkpoints carry that we recompute instead.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -56,7 +56,9 @@ def iterate_checkpoint(model_dir: Path) -> Iterator[CheckpointTensor]:
                 yield CheckpointTensor(name, f.get_slice(name), path)
 
 
-def _target(name: str, packed_modules: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
+def checkpoint_target(
+    name: str, packed_modules: dict[str, tuple[str, int]]
+) -> tuple[str, int | None]:
     """Our parameter name for a checkpoint name, and the shard it fills if packed."""
     parts = name.split(".")
     for i, part in enumerate(parts):
@@ -85,7 +87,7 @@ def load_weights(
     for tensor in iterate_checkpoint(model_dir):
         ckpt_name = tensor.name
         if (
-            ckpt_name.endswith(_IGNORED_SUFFIXES)
+            ckpt_name.endswith(IGNORED_SUFFIXES)
             or (tied and ckpt_name == "lm_head.weight")
             or ckpt_name in unused
         ):
@@ -94,7 +96,7 @@ def load_weights(
         if module is not None:
             quantized.setdefault(module, {})[ckpt_name.rpartition(".")[2]] = tensor.read()
             continue
-        name, shard = _target(ckpt_name, packed_modules)
+        name, shard = checkpoint_target(ckpt_name, packed_modules)
         param = params.get(name)
         if param is None:
             raise ValueError(
@@ -116,7 +118,7 @@ def load_weights(
                 for module, tensors in quantized.items()
             ),
         )
-        loaded.update(_target(f"{module}.weight", packed_modules) for module in quantized)
+        loaded.update(checkpoint_target(f"{module}.weight", packed_modules) for module in quantized)
     missing = sorted(
         f"{name}" + (f"[shard {s}]" if s is not None else "") for name, s in expected - loaded
     )
@@ -129,7 +131,7 @@ def load_quantized_weights(model: nn.Module, tensors: Iterable[GroupQuantizedTen
     its rank's part still quantized."""
     packed_modules: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
     for tensor in tensors:
-        name, shard = _target(tensor.name, packed_modules)
+        name, shard = checkpoint_target(tensor.name, packed_modules)
         layer = _owner(model, name)
         if not (
             isinstance(layer, Linear) and isinstance(layer.quant_method, GroupQuantizedLinearMethod)

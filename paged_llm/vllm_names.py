@@ -19,9 +19,15 @@ from dataclasses import dataclass
 
 STATUSES = ("Y", "differs", "refused")
 
-_TRAINING_LOOP = (
-    "is not supported by paged_llm yet: weights are loaded once and the engine cannot be "
-    "put to sleep or called on its workers; build a new LLM after changing the weights."
+_SLEEP = (
+    "levels 1 and 2 (level 0, a server's pause of scheduling, has nothing to pause offline); "
+    "on CPU level 1 frees the KV cache and keeps the weights; after level 2, wake_up reads "
+    "the weights again from the model's files."
+)
+_WAKE_UP = "tags 'weights' and 'kv_cache' (no 'scheduling': there is no level 0)."
+_COLLECTIVE_RPC = (
+    "calls the model runner of every rank (vLLM: the worker); timeout is refused: a call "
+    "runs to its end."
 )
 
 
@@ -90,10 +96,10 @@ VLLM_NAMES: tuple[VllmName, ...] = (
     VllmName("LLM.classify", "Y"),
     VllmName("LLM.score", "Y"),
     VllmName("LLM.reward", "Y"),
-    VllmName("LLM.sleep", "refused", f"LLM.sleep {_TRAINING_LOOP}"),
-    VllmName("LLM.wake_up", "refused", f"LLM.wake_up {_TRAINING_LOOP}"),
-    VllmName("LLM.collective_rpc", "refused", f"LLM.collective_rpc {_TRAINING_LOOP}"),
-    VllmName("LLM.apply_model", "refused", f"LLM.apply_model {_TRAINING_LOOP}"),
+    VllmName("LLM.sleep", "differs", _SLEEP),
+    VllmName("LLM.wake_up", "differs", _WAKE_UP),
+    VllmName("LLM.collective_rpc", "differs", _COLLECTIVE_RPC),
+    VllmName("LLM.apply_model", "Y"),
     VllmName(
         "LLM.start_profile",
         "refused",
@@ -117,6 +123,11 @@ VLLM_NAMES: tuple[VllmName, ...] = (
     VllmName("LLMEngine.get_metrics", "Y"),
     VllmName("LLMEngine.get_tokenizer", "Y"),
     VllmName("LLMEngine.get_model_config", "Y"),
+    VllmName("LLMEngine.sleep", "differs", _SLEEP),
+    VllmName("LLMEngine.wake_up", "differs", _WAKE_UP),
+    VllmName("LLMEngine.is_sleeping", "Y"),
+    VllmName("LLMEngine.collective_rpc", "differs", _COLLECTIVE_RPC),
+    VllmName("LLMEngine.apply_model", "Y"),
     # ----- modules ------------------------------------------------------------------------
     VllmName("engine.arg_utils.EngineArgs", "Y"),
     VllmName("outputs.RequestOutput", "Y"),

@@ -133,3 +133,12 @@ def test_dedup_by_embedding_drops_repeated_rows_with_the_tiny_model_as_an_embedd
     assert "Embedded 6 rows (64 dimensions); kept 4, dropped 2" in out
     kept = [json.loads(line) for line in output.read_text().splitlines()]
     assert [row["id"] for row in kept] == [0, 1, 3, 5]
+
+
+def test_rl_rollouts_serve_the_trained_weights_after_every_step(model: str) -> None:
+    out = run_example(
+        "rl_rollouts.py",
+        *("--model", model, "--iterations", "3", "--max-tokens", "6", "--check"),
+        *("--learning-rate", "0.05"),
+    )
+    assert out.count("engine equals transformers: True") == 3, out

@@ -331,3 +331,44 @@ def test_encode_stream_yields_each_output_with_its_index_and_errors_as_values(
         torch.testing.assert_close(
             results[index].outputs.data, torch.tensor(want.outputs.embedding)
         )
+
+
+def test_llm_engine_runs_pooling_requests_beside_the_loop(
+    tiny_model_dir: Callable[[str], Path],
+) -> None:
+    from paged_llm import EngineArgs, LLMEngine
+
+    model_dir = tiny_model_dir("qwen2")
+    states = [hf_hidden(model_dir, ids) for ids in PROMPT_IDS]
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(model=str(model_dir), runner="pooling", **SETTINGS)
+    )
+    try:
+        for i, ids in enumerate(PROMPT_IDS):
+            # vLLM's default for a PoolingParams without a task: the per-token embedding.
+            task = None if i % 2 else "embed"
+            engine.add_request(f"r{i}", {"prompt_token_ids": ids}, PoolingParams(task=task))
+        with pytest.raises(ValueError, match=r"cannot serve the 'classify' task"):
+            engine.add_request("bad", "hello", PoolingParams(task="classify"))
+        with pytest.raises(ValueError, match=r"is a pooling model.*runner='generate'"):
+            engine.add_request("gen", "hello", SamplingParams(max_tokens=2))
+        finished: dict[str, PoolingRequestOutput] = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                assert output.finished and output.request_id not in finished
+                assert isinstance(output, PoolingRequestOutput)
+                finished[output.request_id] = output
+    finally:
+        engine.shutdown()
+    assert sorted(finished) == [f"r{i}" for i in range(len(PROMPT_IDS))]
+    for i, hidden in enumerate(states):
+        expected = F.normalize(hidden, dim=-1)
+        assert_close(finished[f"r{i}"].outputs.data, expected if i % 2 else expected[-1])
+
+    generating = LLMEngine.from_engine_args(EngineArgs(model=str(model_dir), max_model_len=64))
+    try:
+        with pytest.raises(ValueError, match=r"needs a pooling model.*runner='pooling'"):
+            generating.add_request("p", "hello", PoolingParams(task="embed"))
+        assert not generating.has_unfinished_requests()
+    finally:
+        generating.shutdown()

@@ -99,28 +99,36 @@ class TensorParallelGroup:
         cls, backend: str, rank: int, size: int, store: dist.TCPStore
     ) -> TensorParallelGroup:
         """Join the group whose rendezvous is ``store`` (rank 0 created it)."""
-        prefixed = dist.PrefixStore("tp", store)
-        if backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = COLLECTIVE_TIMEOUT
-            group: Any = dist.ProcessGroupNCCL(prefixed, rank, size, options)
-        else:
-            options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-            options._timeout = COLLECTIVE_TIMEOUT
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
-            group = dist.ProcessGroupGloo(prefixed, rank, size, options)
+        group = process_group(backend, rank, size, dist.PrefixStore("tp", store))
         return cls(rank, size, group, backend)
 
 
-def create_store(size: int) -> dist.TCPStore:
-    """Rank 0's rendezvous on a free loopback port (``store.port``)."""
+def process_group(
+    backend: str, rank: int, size: int, store: dist.Store, host: str = LOOPBACK
+) -> Any:
+    """A process group of ``backend`` ("gloo" or "nccl") over ``store``, outside
+    ``init_process_group``; gloo's sockets bind to ``host``."""
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = COLLECTIVE_TIMEOUT
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = COLLECTIVE_TIMEOUT
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def create_store(size: int, host: str = LOOPBACK, port: int = 0) -> dist.TCPStore:
+    """Rank 0's rendezvous on ``host:port`` (by default a free loopback port:
+    ``store.port``)."""
     # NOTE: TCPStore binds its own listener to every interface (::), whatever host it is
-    # given; a socket bound to loopback here and handed over keeps it off the network.
+    # given; a socket bound to ``host`` here and handed over keeps it off other networks.
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        listener.bind((LOOPBACK, 0))
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
         store = dist.TCPStore(
-            LOOPBACK,
+            host,
             listener.getsockname()[1],
             size,
             is_master=True,
@@ -137,6 +145,6 @@ def create_store(size: int) -> dist.TCPStore:
     return store
 
 
-def join_store(port: int, size: int) -> dist.TCPStore:
+def join_store(port: int, size: int, host: str = LOOPBACK) -> dist.TCPStore:
     """A worker's handle on rank 0's rendezvous."""
-    return dist.TCPStore(LOOPBACK, port, size, is_master=False, timeout=_STORE_TIMEOUT)
+    return dist.TCPStore(host, port, size, is_master=False, timeout=_STORE_TIMEOUT)

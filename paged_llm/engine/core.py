@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import astuple, dataclass, replace
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -18,6 +19,8 @@ from paged_llm.engine.request import EngineRequest
 from paged_llm.engine.scheduler import ScheduledBatch, Scheduler
 from paged_llm.engine.sequence import FinishReason, Request, Sequence
 from paged_llm.engine.stats import EngineStats
+from paged_llm.engine.weight_updates import NamedTensors, apply_weight_update, check_weight_update
+from paged_llm.engine.worker import RunnerMethod
 from paged_llm.metrics import Metric
 from paged_llm.outputs import EngineOutput, RequestOutput
 from paged_llm.pooling_params import PoolingParams
@@ -106,6 +109,11 @@ class EngineCore:
         own seed or else `request_seed` of the engine seed and the request's arrival
         number, so that a rerun of the same submission reproduces every draw.
         """
+        if self.model_runner.asleep:
+            raise RuntimeError(
+                f"This engine is asleep ({', '.join(sorted(self.model_runner.asleep))} "
+                "released by sleep()): call wake_up() before running requests."
+            )
         serial = self._num_requests
         self._num_requests += 1
         self._num_prompt_tokens += len(request.prompt_token_ids)
@@ -268,6 +276,49 @@ class EngineCore:
         """Forget every cached prefix; False while requests hold blocks (see
         `BlockManager.reset_prefix_cache`)."""
         return self.block_manager.reset_prefix_cache()
+
+    # ----- the weights and memory, inside a training loop ----------------------------
+
+    def collective_rpc(
+        self, method: RunnerMethod, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """``method`` called on every tensor-parallel rank's model runner; results by rank."""
+        return self.executor.collective_rpc(method, args, kwargs)
+
+    def update_weights(self, weights: NamedTensors) -> None:
+        """Copy new weights into every rank, checked whole on rank 0 first (a bad name or
+        shape raises before anything changes); the prefix cache is forgotten, since its
+        keys and values were computed with the old weights."""
+        self._require_idle("update_weights")
+        if "weights" in self.sleeping():
+            raise RuntimeError(
+                "update_weights needs the weights in place, and they are asleep: call "
+                "wake_up(tags=['weights']) first."
+            )
+        check_weight_update(self.model_runner, weights)
+        self.executor.collective_rpc(apply_weight_update, (weights,))
+        self.block_manager.reset_prefix_cache()
+
+    def sleep(self, level: int) -> None:
+        """Give back the KV cache's memory (level 2: the weights' too); see
+        `ModelRunner.sleep`. Cached prefixes are forgotten with the cache."""
+        self._require_idle("sleep")
+        self.executor.collective_rpc("sleep", (level,))
+        self.block_manager.reset_prefix_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.executor.collective_rpc("wake_up", (tags,))
+
+    def sleeping(self) -> frozenset[str]:
+        """What is asleep: "weights", "kv_cache", both or none."""
+        return frozenset(self.model_runner.asleep)
+
+    def _require_idle(self, call: str) -> None:
+        if self.has_unfinished():
+            raise RuntimeError(
+                f"{call} while {len(self._unfinished)} request(s) are unfinished: let them "
+                "finish (or abort them) first."
+            )
 
     def get_metrics(self) -> EngineMetrics:
         return EngineMetrics(

@@ -4,8 +4,9 @@ With tensor parallelism, rank 0 lives in this process (it schedules and samples)
 1..N-1 are worker processes (`paged_llm.engine.worker`) under a `Supervisor`. Each step
 rank 0 sends the step plan down a pipe to every worker, then all ranks run it together::
 
-    rank 0 -> worker   ("step", StepPlan) | ("stop", None)
+    rank 0 -> worker   ("step", StepPlan) | ("call", (method, args, kwargs)) | ("stop", None)
     worker -> rank 0   ("joined", None) once in the group, ("ready", None) after start-up,
+                       ("result", value or CallFailure) after each call,
                        ("failed", ChildFailure) before it exits on an exception
 
 A worker that dies makes the next collective or send fail at once (its sockets and pipe
@@ -19,14 +20,20 @@ import logging
 import pickle
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from paged_llm.config import EngineConfig
 from paged_llm.distributed.group import TensorParallelGroup, create_store
 from paged_llm.distributed.supervisor import Child, Supervisor, UnguardedScriptError, wait
 from paged_llm.engine.model_runner import ModelRunner, StepOutput, StepPlan
 from paged_llm.engine.scheduler import ScheduledBatch
-from paged_llm.engine.worker import WorkerSpec, run_worker
+from paged_llm.engine.worker import (
+    CallFailure,
+    RunnerMethod,
+    WorkerSpec,
+    call_on_runner,
+    run_worker,
+)
 
 T = TypeVar("T")
 
@@ -63,6 +70,12 @@ class LocalExecutor:
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         return self.runner.execute(batch)
+
+    def collective_rpc(
+        self, method: RunnerMethod, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """``method`` called on the model runner: a one-element list, as for N ranks."""
+        return [call_on_runner(self.runner, method, args, kwargs or {})]
 
     def shutdown(self) -> None:
         self.runner.shutdown()
@@ -164,6 +177,56 @@ class MultiprocExecutor:
         if self._failure is not None:
             raise self._failure
         return self._guarded(lambda: self.runner.execute(batch))
+
+    def collective_rpc(
+        self, method: RunnerMethod, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """``method`` called on every rank's model runner at once (so it may run
+        collectives); the results by rank. The first exception raised on any rank is
+        raised here, once every rank has answered."""
+        if self._failure is not None:
+            raise self._failure
+        try:
+            message = pickle.dumps(
+                ("call", (method, args, kwargs or {})), protocol=pickle.HIGHEST_PROTOCOL
+            )
+        except (pickle.PicklingError, AttributeError, TypeError) as error:
+            raise ValueError(
+                f"collective_rpc sends {method!r} and its arguments to the tensor-parallel "
+                f"workers by pickle, and they do not pickle ({error}): pass a method name or a "
+                "function defined at module level, with picklable arguments."
+            ) from error
+        for worker in self._workers:
+            if not worker.send_pickled(message):
+                raise self._fail(worker)
+        try:
+            results: list[Any] = [
+                self._guarded(lambda: call_on_runner(self.runner, method, args, kwargs or {}))
+            ]
+        except Exception as error:
+            results = [CallFailure("", error)]
+        results.extend(self._await_results())
+        for rank, result in enumerate(results):
+            if isinstance(result, CallFailure):
+                if result.exception is not None:
+                    raise result.exception
+                raise RuntimeError(f"collective_rpc failed on rank {rank}:\n{result.traceback}")
+        return results
+
+    def _await_results(self) -> list[Any]:
+        """Every worker's answer to the call just sent, in rank order."""
+        answers: dict[int, Any] = {}
+        while len(answers) < len(self._workers):
+            pending = [w for i, w in enumerate(self._workers) if i not in answers]
+            for worker in wait(pending):
+                messages = worker.receive()
+                if worker.ended and not messages:
+                    raise self._fail(worker)
+                for kind, payload in messages:
+                    if kind != "result":
+                        raise self._fail(worker, f"sent {kind!r} while a call ran")
+                    answers[self._workers.index(worker)] = payload
+        return [answers[i] for i in range(len(self._workers))]
 
     def shutdown(self) -> None:
         if hasattr(self, "runner"):

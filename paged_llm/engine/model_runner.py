@@ -22,100 +22,19 @@ from paged_llm.distributed.group import TensorParallelGroup
 from paged_llm.engine.batch import HostBatch, attention_metadata, build_host_batch, to_device
 from paged_llm.engine.cuda_graphs import DecodeGraphs
 from paged_llm.engine.lora_manager import LoRAModelSlots, LoRASlotTable, LoRAStepPlan
+from paged_llm.engine.model_loading import load_model
 from paged_llm.engine.persistent_batch import LogitsProcessors
 from paged_llm.engine.pooler import Pooler
 from paged_llm.engine.sampling_metadata import build_sampling_metadata
 from paged_llm.engine.scheduler import ScheduledBatch
 from paged_llm.engine.sequence import RawLogprobs, Sequence
 from paged_llm.layers.attention import Attention, KVCacheLayout, get_attention_backend
-from paged_llm.layers.linear import (
-    prepack_for_cpu,
-    process_weights_after_loading,
-    use_fixed_row_tiles,
-)
-from paged_llm.layers.quantization import QuantizedLinearMethod, get_quantized_linear_method
-from paged_llm.layers.quantization.checkpoint_formats import pre_quantized_checkpoint
-from paged_llm.layers.quantization.grouped import GroupQuantizedTensor
+from paged_llm.layers.linear import return_freed_heap_memory
 from paged_llm.layers.sampler import LogprobsTensors, Sampler, compute_logprobs
-from paged_llm.layers.weights import weight_memory
-from paged_llm.loader import load_quantized_weights, load_weights
-from paged_llm.model_files.gguf_quantized import gguf_source, quantized_tensors
-from paged_llm.models import get_model_class
-from paged_llm.models.context import ModelContext
-from paged_llm.models.llama import LlamaForCausalLM
 from paged_llm.platforms import DecodeGraphMode
 from paged_llm.structured_outputs.xgrammar_backend import apply_grammar_bitmask, grammar_bitmask
 
 logger = logging.getLogger(__name__)
-
-
-def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalLM:
-    """Build this rank's shard of the model without initializing weights, then fill it
-    from the checkpoint."""
-    platform = config.platform
-    method = get_quantized_linear_method(config.quantization, platform.triton_linear)
-    gguf_tensors: list[GroupQuantizedTensor] = []
-    context_has_lm_head = config.pooler is None
-    if config.quantization == "gguf":
-        source = gguf_source(config.model_dir)
-        assert source is not None  # NOTE: EngineConfig.create checked it
-        gguf_tensors = [
-            tensor
-            for tensor in quantized_tensors(source, config.hf_config, config.quantize_embeddings)
-            if context_has_lm_head or not tensor.name.startswith("lm_head.")
-        ]
-    kept_quantized = {tensor.name for tensor in gguf_tensors}
-
-    def vocab_method(name: str) -> QuantizedLinearMethod | None:
-        """The format of the embedding or LM head (``name``): the decoder's, unless not
-        asked for or not offered, or the format only takes stored quantized tensors and
-        this one is stored float (a .gguf's unquantized tensor; a pre-quantized Hugging
-        Face checkpoint's embedding)."""
-        if method is None or not (config.quantize_embeddings and method.quantizes_embeddings):
-            return None
-        return method if method.quantizes_at_load or name in kept_quantized else None
-
-    context = ModelContext(
-        device=platform.device,
-        max_position=config.max_model_len,
-        dtype=config.dtype,
-        elementwise=platform.elementwise_kernels.usable(),
-        tp=tp,
-        quant_method=method,
-        embedding_quant_method=vocab_method("model.embed_tokens.weight"),
-        lm_head_quant_method=vocab_method("lm_head.weight"),
-        lm_head=config.pooler is None,
-    )
-    model_class = get_model_class(config.hf_config)
-    with torch.device("meta"):
-        model = model_class(config.hf_config, context)
-    model = model.to(dtype=config.dtype).to_empty(device=platform.device)
-    model.tie_weights()
-    load_weights(
-        model, config.model_dir, pre_quantized_checkpoint(config.quantization, config.hf_config)
-    )
-    load_quantized_weights(model, gguf_tensors)
-    # NOTE: the layers hold copies of their parts; the whole repacked tensors go before the
-    # heap is trimmed (prepack_for_cpu), or their pages stay in the process (79 MiB here).
-    gguf_tensors.clear()
-    process_weights_after_loading(model)
-    if platform.prepacks_linear_weights:
-        prepack_for_cpu(model, config.dtype)
-    if config.batch_invariant:
-        use_fixed_row_tiles(model)
-    if tp.is_first:
-        memory = sorted(weight_memory(model).items(), key=lambda item: -item[1])
-        logger.info(
-            "Weights: %.1f MiB%s, %s (%s).",
-            sum(size for _, size in memory) / 2**20,
-            " per rank" if tp.size > 1 else "",
-            f"quantization={config.quantization}" if config.quantization else "not quantized",
-            ", ".join(
-                f"{str(dtype).removeprefix('torch.')} {size / 2**20:.1f} MiB"
-                for dtype, size in memory
-            ),
-        )
-    return model.eval()
 
 
 _PROMPT_LOGPROBS_SLICE = 512
@@ -195,12 +114,11 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_cache = torch.empty(0)
         self.decode_graphs: DecodeGraphs | None = None
+        # What `sleep` released and `wake_up` has not yet taken back ("weights",
+        # "kv_cache"), and whether the weights were dropped (level 2) or only moved.
+        self.asleep: set[str] = set()
+        self.weights_dropped = False
         self._start_up()
-        self.pooler = (
-            Pooler(self.model, config.pooler)
-            if config.pooler is not None and self.tp.is_first
-            else None
-        )
         # Custom logits processors, on rank 0 only: the other ranks never sample.
         self.logits_processors = (
             LogitsProcessors(config, self.num_blocks)
@@ -217,15 +135,8 @@ class ModelRunner:
         sized by max_model_len exists before the check: the model's rotary table is
         computed by its first forward (the profile step on GPU).
         """
-        self.model = load_model(self.config, self.tp)
-        # Before the cache is sized: the adapter slots take their memory first.
-        lora = self.config.lora
-        self.lora_slots = None if lora is None else LoRAModelSlots(self.model, self.config, lora)
-        self.lora_slot_table = None if lora is None else LoRASlotTable(lora.max_loras)
         self.attention_backend = get_attention_backend(self.config.attention_backend)
-        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        for layer in self.attention_layers:
-            layer.backend = self.attention_backend
+        self._build_model()
         first = self.attention_layers[0]
         self.kv_cache_layout = KVCacheLayout(
             num_kv_heads=first.num_kv_heads,
@@ -246,8 +157,23 @@ class ModelRunner:
             self._profile_step,
         )
         # Every rank holds the same blocks, so the smallest budget decides.
-        self.num_blocks = self._allocate_kv_cache(self.tp.min_over_ranks(budget))
+        self.num_blocks = self._cache_blocks(self.tp.min_over_ranks(budget))
+        self._allocate_kv_cache()
         self.decode_graphs = self._capture_decode_graphs()
+
+    def _build_model(self) -> None:
+        """Load this rank's weights, and wire what reads the model: the adapter slots (they
+        take their memory before the cache is sized), the attention layers' backend and
+        the pooler."""
+        self.model = load_model(self.config, self.tp)
+        lora = self.config.lora
+        self.lora_slots = None if lora is None else LoRAModelSlots(self.model, self.config, lora)
+        self.lora_slot_table = None if lora is None else LoRASlotTable(lora.max_loras)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for layer in self.attention_layers:
+            layer.backend = self.attention_backend
+        pooler = self.config.pooler
+        self.pooler = None if pooler is None or not self.tp.is_first else Pooler(self.model, pooler)
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         mode = self.platform.decode_graph_mode
@@ -322,17 +248,16 @@ class ModelRunner:
             )
         return num_blocks
 
-    def _allocate_kv_cache(self, budget: int) -> int:
+    def _allocate_kv_cache(self) -> None:
         config = self.config
-        num_blocks = self._cache_blocks(budget)
+        num_blocks = self.num_blocks
         shape = self._kv_cache_shape(num_blocks)
         # NOTE: zero-filled, not empty: attention reads whole blocks and masks the unused
         # tail, and a NaN bit pattern there would survive a zero weight.
         self.kv_cache = torch.zeros(
             (len(self.attention_layers), 2, *shape), dtype=config.kv_cache_dtype, device=self.device
         )
-        for i, layer in enumerate(self.attention_layers):
-            layer.key_cache, layer.value_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        self._link_kv_cache()
         if self.tp.is_first:
             logger.info(
                 "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB per rank, %s); maximum "
@@ -345,7 +270,14 @@ class ModelRunner:
                 config.max_model_len,
                 num_blocks / self._blocks_per_seq,
             )
-        return num_blocks
+
+    def _link_kv_cache(self) -> None:
+        """Give every attention layer its view of the cache (an empty one while asleep)."""
+        for i, layer in enumerate(self.attention_layers):
+            if self.kv_cache.numel() == 0:
+                layer.key_cache = layer.value_cache = self.kv_cache
+            else:
+                layer.key_cache, layer.value_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
 
     @property
     def kv_cache_capacity_tokens(self) -> int:
@@ -576,12 +508,52 @@ class ModelRunner:
             position += count
         return result
 
-    def shutdown(self) -> None:
-        """Drop the KV cache and the weights so their memory can be reclaimed."""
-        for layer in self.attention_layers:
-            layer.key_cache = layer.value_cache = torch.empty(0)
-        self.attention_layers.clear()
+    # ----- sleep mode ------------------------------------------------------------------
+
+    def sleep(self, level: int) -> None:
+        """Give the KV cache's memory back (its contents are lost). Level 1 keeps the
+        weights (on CUDA, moved to host memory); level 2 drops them."""
         self.decode_graphs = None
         self.kv_cache = torch.empty(0)
-        del self.model
+        self._link_kv_cache()
+        self.asleep.add("kv_cache")
+        if level == 2 and not self.weights_dropped:
+            self._drop_model()
+            self.weights_dropped = True
+            self.asleep.add("weights")
+        elif level == 1 and self.device.type != "cpu" and "weights" not in self.asleep:
+            self._move_model(torch.device("cpu"))
+            self.asleep.add("weights")
         self.platform.empty_cache()
+        return_freed_heap_memory()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back what `sleep` released, or only the ``tags`` given ("weights",
+        "kv_cache"). Dropped weights are read again from the model's files."""
+        tags_set = {"weights", "kv_cache"} if tags is None else set(tags)
+        if "weights" in tags_set and "weights" in self.asleep:
+            if self.weights_dropped:
+                self._build_model()
+                self.weights_dropped = False
+            else:
+                self._move_model(self.device)
+            self.asleep.discard("weights")
+        if "kv_cache" in tags_set and "kv_cache" in self.asleep:
+            self._allocate_kv_cache()
+            self.asleep.discard("kv_cache")
+        self._link_kv_cache()
+        if not self.asleep:
+            self.decode_graphs = self._capture_decode_graphs()
+
+    def _move_model(self, device: torch.device) -> None:
+        for tensor in [*self.model.parameters(), *self.model.buffers()]:
+            tensor.data = tensor.data.to(device)
+
+    def _drop_model(self) -> None:
+        self.attention_layers.clear()
+        self.pooler = self.lora_slots = None
+        del self.model
+
+    def shutdown(self) -> None:
+        """Drop the KV cache and the weights so their memory can be reclaimed."""
+        self.sleep(level=2)

@@ -28,6 +28,7 @@ import queue
 import signal
 import sys
 import threading
+import traceback
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import astuple, dataclass, field, replace
@@ -39,6 +40,8 @@ import torch
 from paged_llm.distributed.supervisor import Child, Supervisor, UnguardedScriptError, wait
 from paged_llm.engine.core import EngineMetrics
 from paged_llm.engine.request import EngineRequest
+from paged_llm.engine.weight_updates import NamedTensors
+from paged_llm.engine.worker import CallFailure, RunnerMethod
 from paged_llm.frontend.engine_client import EngineClient, RequestsLostError
 from paged_llm.frontend.replica_assignment import (
     ReplicaPlacement,
@@ -131,10 +134,19 @@ def _serve(engine: EngineClient, inbox: queue.Queue[tuple[str, Any]], results: C
                     engine.abort_requests(payload)
             elif command == "call":
                 method, args = payload
-                results.send(("reply", getattr(engine, method)(*args)))
+                results.send(("reply", _answer(engine, method, args)))
         if engine.has_unfinished():
             for output in engine.step():
                 results.send(("output", output))
+
+
+def _answer(engine: EngineClient, method: str, args: tuple[Any, ...]) -> Any:
+    """The engine method's result, or its `CallFailure`: a refused call (a bad weight
+    update) is the caller's error, and the replica serves on."""
+    try:
+        return getattr(engine, method)(*args)
+    except (ValueError, RuntimeError) as error:
+        return CallFailure(traceback.format_exc(), error)
 
 
 # ----- the front --------------------------------------------------------------------------
@@ -321,7 +333,35 @@ class DataParallelEngine:
             replica.child.send(("call", (method, args)))
         while any(replica.alive and replica.reply_pending for replica in live):
             self._wait_for_events()
-        return {replica.rank: replica.reply for replica in live if not replica.reply_pending}
+        replies = {replica.rank: replica.reply for replica in live if not replica.reply_pending}
+        for reply in replies.values():
+            if isinstance(reply, CallFailure):
+                assert reply.exception is not None
+                raise reply.exception
+        return replies
+
+    # ----- the weights and memory, in every replica --------------------------------------
+
+    def collective_rpc(
+        self, method: RunnerMethod, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """``method`` on every rank of every replica: the results, replica by replica."""
+        replies = self._call_replicas("collective_rpc", method, args, kwargs)
+        return [result for rank in sorted(replies) for result in replies[rank]]
+
+    def update_weights(self, weights: NamedTensors) -> None:
+        """The same weights to every replica; each checks them whole before it changes
+        anything, and all hold the same model, so a bad update changes none."""
+        self._call_replicas("update_weights", weights)
+
+    def sleep(self, level: int) -> None:
+        self._call_replicas("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._call_replicas("wake_up", tags)
+
+    def sleeping(self) -> frozenset[str]:
+        return frozenset().union(*self._call_replicas("sleeping").values())
 
     def get_metrics(self) -> EngineMetrics:
         """The replicas' counters, summed; a replica that ended counts with its last report.

@@ -7,11 +7,13 @@ replica processes (each an `EngineCore` built by `build_engine`).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from paged_llm.config import EngineConfig
 from paged_llm.engine.core import EngineCore, EngineMetrics
 from paged_llm.engine.request import EngineRequest
+from paged_llm.engine.weight_updates import NamedTensors
+from paged_llm.engine.worker import RunnerMethod
 from paged_llm.engine_args import EngineArgs
 from paged_llm.frontend.model_info import ModelInfo
 from paged_llm.metrics import Metric
@@ -51,6 +53,26 @@ class EngineClient(Protocol):
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing forgotten) while requests run."""
+        ...
+
+    def collective_rpc(
+        self, method: RunnerMethod, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """``method`` on every rank's model runner (every replica's); the results."""
+        ...
+
+    def update_weights(self, weights: NamedTensors) -> None:
+        """New weights everywhere, checked before anything changes; prefix cache reset."""
+        ...
+
+    def sleep(self, level: int) -> None:
+        """Release the KV cache (level 2: and the weights); requests refused until woken."""
+        ...
+
+    def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+    def sleeping(self) -> frozenset[str]:
+        """What is asleep: "weights", "kv_cache", both or none."""
         ...
 
     def get_metrics(self) -> EngineMetrics: ...

@@ -105,12 +105,38 @@ class Linear(nn.Linear):
         """What this rank keeps of an adapter of this projection."""
         return LoRAShard(((0, self.out_features),), (0, self.in_features))
 
-    def load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard: int | None) -> None:
+    def param_part(
+        self, param: nn.Parameter, loaded: CheckpointTensor, shard: int | None
+    ) -> CheckpointPart:
+        """What this rank keeps of ``loaded`` for ``param`` (the weight or the bias); a
+        ValueError, changing nothing, if its shape does not fit."""
         if param is self.weight:
-            self.store_weight(loaded, self.checkpoint_part(loaded, shard))
+            return self.checkpoint_part(loaded, shard)
+        loaded.check_shape(tuple(param.shape))
+        return CheckpointPart(None, None, slice(None))
+
+    def load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard: int | None) -> None:
+        part = self.param_part(param, loaded, shard)
+        if param is self.weight:
+            self.store_weight(loaded, part)
         else:
-            loaded.check_shape(tuple(param.shape))
-            param.data.copy_(loaded.read())
+            param.data[part.out_rows].copy_(loaded.read(rows=part.rows))
+
+    @property
+    def prepacked(self) -> bool:
+        """Whether the matmul runs from a oneDNN-packed copy, the dense weight dropped."""
+        return self.onednn_weight is not None and self.weight.numel() == 0
+
+    def unpack(self) -> None:
+        """Bring back the dense weight a `prepack` dropped: the packed weight's product with
+        the identity, which is exact (each output is one weight times 1 plus zeros)."""
+        assert self.onednn_weight is not None
+        identity = torch.eye(self.in_features, dtype=self.onednn_weight.dtype)
+        transposed = torch.ops.mkldnn._linear_pointwise(
+            identity, self.onednn_weight, None, "none", [], ""
+        )
+        self.weight = nn.Parameter(transposed.t().contiguous(), requires_grad=False)
+        self.onednn_weight = None
 
     def store_weight(self, loaded: CheckpointTensor, part: CheckpointPart) -> None:
         """Fill ``part.out_rows`` of the weight from a float checkpoint weight, in the
@@ -200,10 +226,10 @@ def prepack_for_cpu(model: nn.Module, dtype: torch.dtype) -> None:
         uses[id(param)] = uses.get(id(param), 0) + 1
     for module in linears:
         module.prepack(keep_dense_weight=uses[id(module.weight)] > 1)
-    _return_freed_heap_memory()
+    return_freed_heap_memory()
 
 
-def _return_freed_heap_memory() -> None:
+def return_freed_heap_memory() -> None:
     """Give the heap's free pages back to the OS, where the C library can (glibc).
 
     NOTE: the dense weights freed by packing sit in the heap between live allocations,
@@ -313,12 +339,12 @@ class PackedLinear(Linear):
         offset = self.offsets[shard]
         return CheckpointPart((part.start, part.size), None, slice(offset, offset + part.size))
 
-    def load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard: int | None) -> None:
+    def param_part(
+        self, param: nn.Parameter, loaded: CheckpointTensor, shard: int | None
+    ) -> CheckpointPart:
         if param is self.weight:
-            self.store_weight(loaded, self.checkpoint_part(loaded, shard))
-        else:
-            part = self._part(loaded, shard, ())
-            param.data[part.out_rows].copy_(loaded.read(rows=part.rows))
+            return self.checkpoint_part(loaded, shard)
+        return self._part(loaded, shard, ())
 
 
 class RowParallelLinear(Linear):

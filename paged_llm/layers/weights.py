@@ -15,7 +15,7 @@ class CheckpointTensor:
     """One tensor of a checkpoint, not read until a rank asks for its rows or columns.
 
     ``source`` is a safetensors slice (read lazily from the file) or a tensor; ``file`` is
-    where it was read from, for error messages (None: not from a file).
+    where it was read from, for error messages (None: given in memory, a weight update).
     """
 
     file: Path | None = None
@@ -43,14 +43,21 @@ class CheckpointTensor:
 
     def check_shape(self, expected: tuple[int, ...]) -> None:
         """A ValueError, naming the tensor, its file and both shapes, unless the tensor has
-        exactly the shape ``expected`` of the model built from the config."""
-        if self.shape != expected:
+        exactly the shape ``expected`` of the model built from the config (a tensor given
+        in memory, a weight update: of the model's parameter)."""
+        if self.shape == expected:
+            return
+        if self.file is None:
             raise ValueError(
-                f"Checkpoint weight {self.name!r}{self._in_file} has shape {self.shape}; the "
-                f"model built from its config expects {expected}. The config (config.json: "
-                "hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, "
-                "head_dim, vocab_size) must describe the checkpoint's weights."
+                f"Weight {self.name!r} has shape {self.shape}; the model expects {expected} "
+                "(the shape of the model's parameter, as transformers names and shapes it)."
             )
+        raise ValueError(
+            f"Checkpoint weight {self.name!r}{self._in_file} has shape {self.shape}; the "
+            f"model built from its config expects {expected}. The config (config.json: "
+            "hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, "
+            "head_dim, vocab_size) must describe the checkpoint's weights."
+        )
 
     def check_float(self) -> None:
         """A ValueError unless the tensor holds floating-point values: an integer or bool

@@ -267,3 +267,14 @@ def test_unsupported_layouts_are_refused_with_what_is_supported(
 def test_a_conflicting_quantization_argument_is_refused() -> None:
     with pytest.raises(ValueError, match=r"quantization='awq' conflicts.*'gptq'"):
         resolve_quantization("awq", _hf_config(**quantization_config("gptq", 32)))
+
+
+def test_update_weights_refuses_a_pre_quantized_checkpoint(
+    quantized_checkpoint: Callable[[str], tuple[Path, transformers.PreTrainedModel]],
+) -> None:
+    path, reference = quantized_checkpoint("gptq-g32")
+    with (
+        LLM(path, max_model_len=64) as llm,
+        pytest.raises(ValueError, match=r"cannot re-quantize a pre-quantized.*'gptq'"),
+    ):
+        llm.update_weights(reference.named_parameters())
