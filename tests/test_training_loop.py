@@ -295,3 +295,27 @@ def test_a_trainer_process_sends_the_weights_over_gloo(llama_dir: Path) -> None:
     assert trainer.exitcode == 0
     assert after == hf_tokens(perturbed(llama_dir))
     assert after != before
+
+
+@pytest.mark.gpu
+def test_on_cuda_updates_reach_the_graphs_and_sleep_frees_the_device(
+    tiny_model_dir: Callable[[str], Path],
+) -> None:
+    """In-place copies keep the captured decode graphs' addresses; level 1 moves the
+    weights to host memory and frees the cache, and waking recaptures the graphs."""
+    model_dir = tiny_model_dir("qwen3")
+    new_model = perturbed(model_dir)
+    cache_bytes = 2**26
+    with LLM(model_dir, device="cuda", dtype="float32", block_size=16,
+             max_model_len=96, kv_cache_memory_bytes=cache_bytes) as llm:  # fmt: skip
+        assert llm.engine.model_runner.decode_graphs is not None
+        llm.update_weights(new_model.named_parameters())
+        expected = hf_tokens(new_model)
+        assert greedy(llm)[0] == expected
+        allocated = torch.cuda.memory_allocated()
+        llm.sleep(level=1)
+        weights = sum(p.numel() * 4 for p in new_model.parameters())
+        assert allocated - torch.cuda.memory_allocated() > 0.9 * (cache_bytes + weights / 2)
+        llm.wake_up()
+        assert llm.engine.model_runner.decode_graphs is not None
+        assert greedy(llm)[0] == expected

@@ -19,7 +19,7 @@ from paged_llm.engine.request import EngineRequest
 from paged_llm.engine.scheduler import ScheduledBatch, Scheduler
 from paged_llm.engine.sequence import FinishReason, Request, Sequence
 from paged_llm.engine.stats import EngineStats
-from paged_llm.engine.weight_updates import NamedTensors, apply_weight_update, check_weight_update
+from paged_llm.engine.weight_updates import NamedTensors, apply_weight_update
 from paged_llm.engine.worker import RunnerMethod
 from paged_llm.metrics import Metric
 from paged_llm.outputs import EngineOutput, RequestOutput
@@ -286,7 +286,7 @@ class EngineCore:
         return self.executor.collective_rpc(method, args, kwargs)
 
     def update_weights(self, weights: NamedTensors) -> None:
-        """Copy new weights into every rank, checked whole on rank 0 first (a bad name or
+        """Copy new weights into every rank, each checking them whole first (a bad name or
         shape raises before anything changes); the prefix cache is forgotten, since its
         keys and values were computed with the old weights."""
         self._require_idle("update_weights")
@@ -295,7 +295,6 @@ class EngineCore:
                 "update_weights needs the weights in place, and they are asleep: call "
                 "wake_up(tags=['weights']) first."
             )
-        check_weight_update(self.model_runner, weights)
         self.executor.collective_rpc(apply_weight_update, (weights,))
         self.block_manager.reset_prefix_cache()
 

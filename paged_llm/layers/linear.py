@@ -128,14 +128,9 @@ class Linear(nn.Linear):
         return self.onednn_weight is not None and self.weight.numel() == 0
 
     def unpack(self) -> None:
-        """Bring back the dense weight a `prepack` dropped: the packed weight's product with
-        the identity, which is exact (each output is one weight times 1 plus zeros)."""
+        """Bring back the dense weight a `prepack` dropped (oneDNN's reorder back, exact)."""
         assert self.onednn_weight is not None
-        identity = torch.eye(self.in_features, dtype=self.onednn_weight.dtype)
-        transposed = torch.ops.mkldnn._linear_pointwise(
-            identity, self.onednn_weight, None, "none", [], ""
-        )
-        self.weight = nn.Parameter(transposed.t().contiguous(), requires_grad=False)
+        self.weight = nn.Parameter(self.onednn_weight.to_dense(), requires_grad=False)
         self.onednn_weight = None
 
     def store_weight(self, loaded: CheckpointTensor, part: CheckpointPart) -> None:
@@ -158,10 +153,15 @@ class Linear(nn.Linear):
         if keep_dense_weight:
             self.onednn_weight = self.weight.detach()
             return
+        self.pack(self.weight.detach())
+
+    def pack(self, dense: torch.Tensor) -> None:
+        """Multiply from a packed copy of ``dense`` (``[out_features, in_features]``), the
+        dense weight dropped."""
         self.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(
-            self.weight.detach(), _PACK_BATCH_HINT
+            dense.contiguous(), _PACK_BATCH_HINT
         )
-        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+        self.weight = nn.Parameter(dense.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)

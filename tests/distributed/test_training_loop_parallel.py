@@ -15,6 +15,13 @@ from paged_llm.engine.model_runner import ModelRunner
 from tests.distributed.processes import child_pids
 from tests.test_training_loop import SETTINGS, greedy, hf_tokens, perturbed
 
+PARTIAL = (
+    "model.layers.0.self_attn.k_proj.weight",
+    "model.layers.1.self_attn.o_proj.weight",
+    "model.layers.1.mlp.gate_proj.weight",
+    "model.norm.weight",
+)
+
 
 def rank_of(runner: ModelRunner) -> int:
     return runner.tp.rank
@@ -37,10 +44,17 @@ def _update_everywhere(model_dir: Path, **parallel: int) -> None:
         llm.wake_up()
         llm.update_weights(new_model.named_parameters())
         assert greedy(llm)[0] == after
+        # Some tensors of a third model: a packed slice, a row-parallel projection, a norm.
+        partial = {name: perturbed(model_dir, seed=2).state_dict()[name] for name in PARTIAL}
+        llm.update_weights(partial)
+        mixed, _ = greedy(llm)
     assert child_pids() - before_pids == set()
     assert cached == [0] * len(cached)
     assert after == hf_tokens(new_model)
     assert after != before
+    new_model.load_state_dict(partial, strict=False)
+    assert mixed == hf_tokens(new_model)
+    assert mixed != after
     size = parallel.get("tensor_parallel_size", 1)
     assert ranks == list(range(size)) * parallel.get("data_parallel_size", 1)
 

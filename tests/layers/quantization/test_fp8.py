@@ -68,3 +68,30 @@ def test_greedy_on_the_gpu_path_matches_transformers_with_fp8_weights(
         assert model.lm_head.weight is model.model.embed_tokens.weight
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+@pytest.mark.slow  # the interpreted fp8 kernels: about a minute
+def test_update_weights_requantizes_to_fp8(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """New float weights are re-quantized per row, as loading quantizes them."""
+    from tests.test_training_loop import perturbed
+
+    model_dir = tiny_model_dir("qwen3")
+    new_model = perturbed(model_dir)
+    new_model.save_pretrained(tmp_path)
+    reference = dequantized_reference(tmp_path, False, fp8_round_trip)
+    expected = [hf_greedy(reference, prompt, MAX_TOKENS) for prompt in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(
+        model_dir,
+        quantization="fp8",
+        device=FakeGpuPlatform(),
+        dtype="float32",
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+    ) as llm:
+        llm.update_weights(new_model.named_parameters())
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
