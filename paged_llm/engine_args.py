@@ -530,8 +530,8 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = refused_unless(
         (None,), "Speculative decoding is not supported."
     )
-    enable_sleep_mode: bool = refused_unless(
-        (False,), "Sleep mode is not supported; shutdown() frees the weights and the cache."
+    enable_sleep_mode: bool = no_op(
+        False, "LLM.sleep and wake_up work whatever this says (vLLM needs True to use them)."
     )
     enable_prompt_embeds: bool = refused_unless(
         (False,), "Prompts are token ids or text; embeddings as input are not supported."

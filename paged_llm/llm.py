@@ -145,8 +145,9 @@ class LLM(TrainingLoopMethods):
         return self.llm_engine.live_engine()
 
     def _idle_engine(self) -> EngineClient:
-        """The engine, for a generation: it must hold no request of ``llm_engine``'s own."""
-        engine = self._live_engine()
+        """The engine, for a generation: awake, and holding no request of ``llm_engine``'s
+        own."""
+        engine = self.llm_engine.awake_engine()
         if self.llm_engine.get_num_unfinished_requests():
             raise RuntimeError(
                 "This LLM's llm_engine has requests queued with add_request that have not "

@@ -231,7 +231,8 @@ def test_sleep_level_2_then_update_weights_serves_the_new_weights(
 
 
 def test_sleep_and_wake_up_refuse_bad_arguments(llama_dir: Path) -> None:
-    with LLM(llama_dir, **SETTINGS) as llm:
+    # vLLM's scripts pass enable_sleep_mode=True: accepted, sleep needs nothing more.
+    with LLM(llama_dir, enable_sleep_mode=True, **SETTINGS) as llm:
         with pytest.raises(ValueError, match=r"level must be 1.*or 2.*level 0"):
             llm.sleep(level=0)
         with pytest.raises(ValueError, match=r"'scheduling'"):

@@ -109,11 +109,6 @@ class EngineCore:
         own seed or else `request_seed` of the engine seed and the request's arrival
         number, so that a rerun of the same submission reproduces every draw.
         """
-        if self.model_runner.asleep:
-            raise RuntimeError(
-                f"This engine is asleep ({', '.join(sorted(self.model_runner.asleep))} "
-                "released by sleep()): call wake_up() before running requests."
-            )
         serial = self._num_requests
         self._num_requests += 1
         self._num_prompt_tokens += len(request.prompt_token_ids)

@@ -207,6 +207,8 @@ class DataParallelEngine:
         self._arrived: list[EngineOutput] = []
         self._lost: list[str] = []
         self._losses: list[str] = []
+        # What `sleep` released in the replicas (see `sleeping`).
+        self._sleeping: frozenset[str] = frozenset()
         placements = place_replicas(num_replicas, tensor_parallel_size, _usable_cpus(), devices)
         # Stops every replica when this engine is shut down, collected, or at exit.
         self._supervisor = Supervisor(
@@ -356,12 +358,19 @@ class DataParallelEngine:
 
     def sleep(self, level: int) -> None:
         self._call_replicas("sleep", level)
+        self._note_sleeping()
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self._call_replicas("wake_up", tags)
+        self._note_sleeping()
 
     def sleeping(self) -> frozenset[str]:
-        return frozenset().union(*self._call_replicas("sleeping").values())
+        """What `sleep` released in the replicas, as of the last sleep or wake-up: known
+        here, so that every call can ask without a round trip."""
+        return self._sleeping
+
+    def _note_sleeping(self) -> None:
+        self._sleeping = frozenset().union(*self._call_replicas("sleeping").values())
 
     def get_metrics(self) -> EngineMetrics:
         """The replicas' counters, summed; a replica that ended counts with its last report.

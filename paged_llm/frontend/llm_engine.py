@@ -120,6 +120,18 @@ class LLMEngine:
             raise RuntimeError("This engine was shut down; create a new one to generate.")
         return self.engine_core
 
+    def awake_engine(self) -> EngineClient:
+        """The engine client, for requests: RuntimeError while `sleep` holds part of it
+        (refused here, before any request reaches an engine or a replica)."""
+        engine = self.live_engine()
+        asleep = engine.sleeping()
+        if asleep:
+            raise RuntimeError(
+                f"This engine is asleep ({', '.join(sorted(asleep))} released by sleep()): "
+                "call wake_up() before running requests."
+            )
+        return engine
+
     # ----- vLLM's offline loop ----------------------------------------------------------
 
     def add_request(
@@ -145,7 +157,7 @@ class LLMEngine:
         ``params.task`` (vLLM's default where unset: the per-token task the model serves);
         `step` reports it once, finished, as a `PoolingRequestOutput`.
         """
-        engine = self.live_engine()
+        engine = self.awake_engine()
         if arrival_time is not None and not isinstance(arrival_time, (int, float)):
             raise ValueError(f"arrival_time must be a number of seconds, got {arrival_time!r}.")
         if not isinstance(request_id, str):

@@ -41,6 +41,9 @@ def _update_everywhere(model_dir: Path, **parallel: int) -> None:
         after, cached = greedy(llm)
         ranks = llm.collective_rpc(rank_of)
         llm.sleep(level=2)
+        # Refused in the front: no rank or replica sees a request while asleep.
+        with pytest.raises(RuntimeError, match=r"asleep \(kv_cache, weights"):
+            greedy(llm)
         llm.wake_up()
         llm.update_weights(new_model.named_parameters())
         assert greedy(llm)[0] == after
