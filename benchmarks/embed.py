@@ -230,7 +230,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": machine,
         "args": vars(args),
         "num_prompt_tokens": num_tokens,
-        "runs": [asdict(run) for run, _ in results.values()],
+        "reference": reference_name,
+        "runs": [
+            {**asdict(run), "lowest_cosine": lowest_cosine(embeddings, reference_embeddings)}
+            for run, embeddings in results.values()
+        ],
     }
     if args.out is not None:
         write_json(args.out, result)
