@@ -558,7 +558,9 @@ def test_vllm_worker_answers_the_job_the_benchmark_writes(
     assert run.peak_rss_mib > 0
     # vLLM gets paged_llm's batching limits, and a KV cache of at least paged_llm's size
     # (a few KiB here, rounded up to vLLM's whole GiB).
-    max_num_seqs, max_num_batched_tokens = batching_limits(options)
+    max_num_seqs, max_num_batched_tokens = batching_limits(
+        options.device, options.max_num_seqs, options.max_num_batched_tokens
+    )
     assert run.settings["max_num_seqs"] == max_num_seqs
     assert run.settings["max_num_batched_tokens"] == max_num_batched_tokens
     assert run.settings["max_model_len"] == workload.max_seq_len
