@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 import tempfile
 from dataclasses import asdict
@@ -34,13 +33,7 @@ from benchmarks.embed_engines import (
     validate_engine_name,
     write_job,
 )
-from benchmarks.engines import (
-    REPO_ROOT,
-    EngineOptions,
-    batching_limits,
-    default_vllm_python,
-    worker_env,
-)
+from benchmarks.engines import REPO_ROOT, batching_limits, default_vllm_python, run_worker
 from benchmarks.models import (
     add_device_arguments,
     add_model_arguments,
@@ -132,15 +125,7 @@ def run_in_subprocess(
         command = [str(vllm_python), str(VLLM_EMBED_WORKER)]
     else:
         command = [sys.executable, "-m", "benchmarks.embed_engines"]
-    completed = subprocess.run(
-        [*command, str(job_path), str(result_path)],
-        cwd=REPO_ROOT,
-        env=worker_env(options.threads),
-        stdout=sys.stderr,
-        check=False,
-    )
-    if completed.returncode != 0:
-        raise RuntimeError(f"engine {name} failed (exit code {completed.returncode}); see above.")
+    run_worker(name, [*command, str(job_path), str(result_path)], options.threads)
     run = EmbedRun(**json.loads(result_path.read_text()))
     return run, np.load(f"{result_path}.npy")
 
@@ -167,15 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             _NUM_WARMUP_PROMPTS, args.min_len, args.max_len, _WARMUP_SEED, vocab_limit
         )
         max_num_seqs, max_num_batched_tokens = batching_limits(
-            EngineOptions(
-                model_dir=str(model_dir),
-                dtype=args.dtype,
-                device=args.device,
-                threads=args.threads,
-                max_model_len=args.max_len,
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-            )
+            args.device, args.max_num_seqs, args.max_num_batched_tokens
         )
         options = EmbedOptions(
             model_dir=str(model_dir),
@@ -230,7 +207,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": machine,
         "args": vars(args),
         "num_prompt_tokens": num_tokens,
-        "runs": [asdict(run) for run, _ in results.values()],
+        "reference": reference_name,
+        "runs": [
+            {**asdict(run), "lowest_cosine": lowest_cosine(embeddings, reference_embeddings)}
+            for run, embeddings in results.values()
+        ],
     }
     if args.out is not None:
         write_json(args.out, result)

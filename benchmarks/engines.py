@@ -418,7 +418,9 @@ class HFContinuousEngine(Engine):
         # The same batching limits as paged_llm's defaults, and a cache that holds
         # max_num_seqs sequences of max_model_len tokens, as paged_llm's does, instead of
         # transformers' "share of free memory" sizing.
-        max_num_seqs, max_batch_tokens = batching_limits(options)
+        max_num_seqs, max_batch_tokens = batching_limits(
+            options.device, options.max_num_seqs, options.max_num_batched_tokens
+        )
         page_size = ContinuousBatchingConfig.page_size
         num_blocks = max_num_seqs * math.ceil(options.max_model_len / page_size)
         self.cb_config = ContinuousBatchingConfig(
@@ -487,17 +489,18 @@ def default_vllm_python() -> Path:
     return Path(configured) if configured else DEFAULT_VLLM_VENV / "bin" / "python"
 
 
-def batching_limits(options: EngineOptions) -> tuple[int, int]:
-    """max_num_seqs and max_num_batched_tokens as paged_llm resolves them on the device, so
-    that engines which take them run with paged_llm's limits."""
+def batching_limits(
+    device: str, max_num_seqs: int | None, max_num_batched_tokens: int | None
+) -> tuple[int, int]:
+    """max_num_seqs and max_num_batched_tokens (None: paged_llm's default) as paged_llm
+    resolves them on the device, so that engines which take them run with paged_llm's
+    limits."""
     from paged_llm.engine_args import EngineArgs
     from paged_llm.platforms import get_platform
     from paged_llm.settings import resolved_setting
 
-    platform = get_platform(options.device).name
-    args = EngineArgs(
-        max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens
-    )
+    platform = get_platform(device).name
+    args = EngineArgs(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     return (
         resolved_setting(args, "max_num_seqs", platform),
         resolved_setting(args, "max_num_batched_tokens", platform),
@@ -610,7 +613,9 @@ def write_job(name: str, options: EngineOptions, workload: Workload, job_path: P
     """The JSON a worker reads: the engine, its options, the workload and the warm-up."""
     if name == VLLM_ENGINE:
         # The vLLM worker cannot import paged_llm to resolve these defaults itself.
-        max_num_seqs, max_num_batched_tokens = batching_limits(options)
+        max_num_seqs, max_num_batched_tokens = batching_limits(
+            options.device, options.max_num_seqs, options.max_num_batched_tokens
+        )
         options = replace(
             options, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
         )
@@ -640,6 +645,16 @@ def worker_command(
     return [options.vllm_python, str(VLLM_WORKER), str(job_path), str(result_path)]
 
 
+def run_worker(name: str, command: list[str], threads: int) -> None:
+    """Run engine ``name``'s worker ``command`` in a fresh process with `worker_env`; its
+    output goes to our stderr. A RuntimeError if it fails."""
+    completed = subprocess.run(
+        command, cwd=REPO_ROOT, env=worker_env(threads), stdout=sys.stderr, check=False
+    )
+    if completed.returncode != 0:
+        raise RuntimeError(f"engine {name} failed (exit code {completed.returncode}); see above.")
+
+
 def run_engine_in_subprocess(
     name: str, options: EngineOptions, workload: Workload, work_dir: Path
 ) -> EngineRun:
@@ -648,15 +663,7 @@ def run_engine_in_subprocess(
     job_path = work_dir / f"{name}-job.json"
     result_path = work_dir / f"{name}-result.json"
     write_job(name, options, workload, job_path)
-    completed = subprocess.run(
-        worker_command(name, options, job_path, result_path),
-        cwd=REPO_ROOT,
-        env=worker_env(options.threads),
-        stdout=sys.stderr,
-        check=False,
-    )
-    if completed.returncode != 0:
-        raise RuntimeError(f"engine {name} failed (exit code {completed.returncode}); see above.")
+    run_worker(name, worker_command(name, options, job_path, result_path), options.threads)
     run = EngineRun(**json.loads(result_path.read_text()))
     for index, (tokens, request) in enumerate(
         zip(run.output_token_ids, workload.requests, strict=True)

@@ -6,7 +6,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -205,31 +205,13 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def write_peft_adapter(
-    model_dir: Path,
-    out_dir: Path,
-    *,
-    rank: int,
-    target_modules: list[str],
-    seed: int,
-    use_rslora: bool = False,
-    lora_alpha: int = 16,
-) -> Path:
-    """A LoRA adapter of the model in ``model_dir``, written by peft itself into ``out_dir``,
-    its A and B drawn with ``INIT_STD / sqrt(rank)`` so that it changes the tiny model's
-    greedy tokens (peft's own initialisation leaves B at zero)."""
+def write_peft_adapter(model_dir: Path, out_dir: Path, *, rank: int, **options: Any) -> Path:
+    """`benchmarks.lora.write_peft_adapter` (the other keywords are its own), with A and B
+    drawn with ``INIT_STD / sqrt(rank)`` so that the adapter changes the tiny model's greedy
+    tokens (peft's own initialisation leaves B at zero)."""
     from benchmarks.lora import write_peft_adapter as write
 
-    return write(
-        model_dir,
-        out_dir,
-        rank=rank,
-        target_modules=target_modules,
-        seed=seed,
-        init_std=INIT_STD / rank**0.5,
-        lora_alpha=lora_alpha,
-        use_rslora=use_rslora,
-    )
+    return write(model_dir, out_dir, rank=rank, init_std=INIT_STD / rank**0.5, **options)
 
 
 def peft_greedy(

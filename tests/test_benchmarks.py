@@ -558,7 +558,9 @@ def test_vllm_worker_answers_the_job_the_benchmark_writes(
     assert run.peak_rss_mib > 0
     # vLLM gets paged_llm's batching limits, and a KV cache of at least paged_llm's size
     # (a few KiB here, rounded up to vLLM's whole GiB).
-    max_num_seqs, max_num_batched_tokens = batching_limits(options)
+    max_num_seqs, max_num_batched_tokens = batching_limits(
+        options.device, options.max_num_seqs, options.max_num_batched_tokens
+    )
     assert run.settings["max_num_seqs"] == max_num_seqs
     assert run.settings["max_num_batched_tokens"] == max_num_batched_tokens
     assert run.settings["max_model_len"] == workload.max_seq_len
@@ -630,3 +632,42 @@ def test_decode_attention_benchmark_times_each_backend_on_one_step() -> None:
     results = decode_attention.main([*args, "--calls", "1", "--repeats", "1", "--threads", "1"])
     assert set(results) == {"torch", "cpu"}
     assert all(result["wall_ms"] > 0 and result["cpu_ms"] >= 0 for result in results.values())
+
+
+@pytest.mark.slow
+def test_embed_benchmark_gives_every_engine_the_same_vectors(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "embed.json"
+    run_module(
+        "benchmarks.embed",
+        "--model", str(llama_dir),
+        "--engines", "paged_llm,hf_sorted4",
+        "--num-prompts", "6",
+        "--max-len", "40",
+        "--out", str(out),
+    )  # fmt: skip
+    runs = json.loads(out.read_text())["runs"]
+    assert [run["engine"] for run in runs] == ["paged_llm", "hf_sorted4"]
+    assert all(run["wall_seconds"] > 0 and run["lowest_cosine"] > 0.9999 for run in runs)
+
+
+@pytest.mark.slow
+def test_weight_update_benchmark_times_the_copy_the_update_and_a_gloo_round(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "weight_update.json"
+    run_module(
+        "benchmarks.weight_update",
+        "--model", str(llama_dir),
+        "--repeats", "2",
+        "--num-prompts", "2",
+        "--samples", "2",
+        "--prompt-len", "8",
+        "--max-tokens", "4",
+        "--out", str(out),
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    for key in ("state_dict_copy_s", "update_weights_s", "gloo_round_s"):
+        assert result[key] > 0
+    assert result["paged_llm_tok_s"] > 0 and result["transformers_tok_s"] > 0

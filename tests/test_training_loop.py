@@ -240,6 +240,19 @@ def test_sleep_and_wake_up_refuse_bad_arguments(llama_dir: Path) -> None:
         assert not llm.is_sleeping()
 
 
+def test_requests_in_flight_block_an_update_and_sleep_aborts_them(llama_dir: Path) -> None:
+    with LLM(llama_dir, **SETTINGS) as llm:
+        llm.llm_engine.add_request("queued", "hello", SamplingParams(max_tokens=4))
+        with pytest.raises(RuntimeError, match=r"update_weights while 1 request"):
+            llm.update_weights(perturbed(llama_dir).named_parameters())
+        with pytest.raises(RuntimeError, match=r"sleep\(mode='wait'\) with 1 request"):
+            llm.sleep(mode="wait")
+        llm.sleep()  # mode="abort", vLLM's default
+        assert not llm.llm_engine.has_unfinished_requests()
+        llm.wake_up()
+        assert greedy(llm)[0]
+
+
 def layer_count(runner: ModelRunner, offset: int = 0) -> int:
     return len(runner.attention_layers) + offset
 

@@ -20,7 +20,7 @@ Trainer side::
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -89,7 +89,7 @@ class WeightTransferUpdateInfo:
 
     names: list[str]
     dtype_names: list[str]
-    shapes: list[list[int]] = field(default_factory=list)
+    shapes: list[list[int]]
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):

@@ -118,7 +118,9 @@ def _targets(runner: ModelRunner, weights: NamedTensors) -> list[_Target]:
             f"(quantization={quantization!r}): its weights were quantized offline. Load the "
             "float model (with quantization=None, 'int8' or 'fp8') to update its weights."
         )
-    targets = []
+    # By (parameter, packed slice): a name given twice (a tied model's state_dict names
+    # the embedding twice) is copied once, its last tensor winning, as in load_state_dict.
+    targets: dict[tuple[str, int | None], _Target] = {}
     for index, item in enumerate(weights):
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
             raise ValueError(
@@ -150,8 +152,8 @@ def _targets(runner: ModelRunner, weights: NamedTensors) -> list[_Target]:
             owner.param_part(param, loaded, shard)
         else:
             loaded.check_shape(tuple(param.shape))
-        targets.append(_Target(loaded, param_name, shard))
-    return targets
+        targets[param_name, shard] = _Target(loaded, param_name, shard)
+    return list(targets.values())
 
 
 def _owner_name(param_name: str) -> str:

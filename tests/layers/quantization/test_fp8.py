@@ -34,6 +34,26 @@ def fp8_round_trip(weight: torch.Tensor) -> torch.Tensor:
     return codes.float() * scale
 
 
+def fp8_llm(model_dir: Path, quantize_embeddings: bool) -> LLM:
+    """fp8 weights on the GPU path (the fake GPU platform: kernels under the interpreter)."""
+    return LLM(
+        model_dir,
+        quantization="fp8",
+        quantize_embeddings=quantize_embeddings,
+        device=FakeGpuPlatform(),
+        dtype="float32",
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+    )
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
 def test_fp8_is_refused_on_cpu_naming_the_platform_and_the_alternative(
     llama_dir: Path,
 ) -> None:
@@ -52,22 +72,10 @@ def test_greedy_on_the_gpu_path_matches_transformers_with_fp8_weights(
     """On qwen3: a tied embedding and LM head, q/k norms."""
     model_dir = tiny_model_dir("qwen3")
     reference = dequantized_reference(model_dir, quantize_embeddings, fp8_round_trip)
-    expected = [hf_greedy(reference, prompt, MAX_TOKENS) for prompt in PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    with LLM(
-        model_dir,
-        quantization="fp8",
-        quantize_embeddings=quantize_embeddings,
-        device=FakeGpuPlatform(),
-        dtype="float32",
-        max_model_len=64,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-    ) as llm:
+    with fp8_llm(model_dir, quantize_embeddings) as llm:
         model = llm.engine.model_runner.model
         assert model.lm_head.weight is model.model.embed_tokens.weight
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert greedy(llm) == [hf_greedy(reference, p, MAX_TOKENS) for p in PROMPTS]
 
 
 def test_update_weights_requantizes_to_fp8(
@@ -80,18 +88,6 @@ def test_update_weights_requantizes_to_fp8(
     new_model = perturbed(model_dir)
     new_model.save_pretrained(tmp_path)
     reference = dequantized_reference(tmp_path, False, fp8_round_trip)
-    expected = [hf_greedy(reference, prompt, MAX_TOKENS) for prompt in PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    with LLM(
-        model_dir,
-        quantization="fp8",
-        quantize_embeddings=False,
-        device=FakeGpuPlatform(),
-        dtype="float32",
-        max_model_len=64,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-    ) as llm:
+    with fp8_llm(model_dir, quantize_embeddings=False) as llm:
         llm.update_weights(new_model.named_parameters())
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert greedy(llm) == [hf_greedy(reference, p, MAX_TOKENS) for p in PROMPTS]
