@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from paged_llm.engine_args import KV_CACHE_DTYPES, EngineArgs
-from paged_llm.layers.attention import ATTENTION_BACKENDS
+from paged_llm.engine_args import EngineArgs
+from paged_llm.layers.attention import ATTENTION_BACKENDS, KV_CACHE_DTYPES
 from paged_llm.layers.quantization.checkpoint_formats import resolve_quantization
 from paged_llm.logits_processors import LogitsProcessor, load_logits_processors
 from paged_llm.model_files.gguf_quantized import gguf_source
@@ -18,6 +18,7 @@ from paged_llm.model_files.resolve import check_config_fields
 from paged_llm.platforms import Platform, get_platform
 from paged_llm.pooling_params import PoolerConfig, convert_defaults
 from paged_llm.settings import resolved_setting
+from paged_llm.speculative import SpeculativeConfig
 
 __all__ = ["EngineConfig", "PoolerConfig", "PoolerSpec", "SchedulerConfig"]
 
@@ -191,6 +192,8 @@ class EngineConfig:
     runner: str
     # The pooler of a pooling model; None under runner="generate".
     pooler: PoolerSpec | None
+    # N-gram speculative decoding; None: off.
+    speculative: SpeculativeConfig | None
 
     @property
     def device(self) -> torch.device:
@@ -275,6 +278,7 @@ class EngineConfig:
             "lora": _lora_config(args),
             "runner": runner,
             "pooler": None if runner == "generate" else _pooler_spec(args, hf_config),
+            "speculative": _speculative_config(args, runner),
         }
         # The other fields are settings taken as given, under the same names.
         return cls(
@@ -379,6 +383,24 @@ def _pooler_spec(args: EngineArgs, hf_config: Any) -> PoolerSpec:
             task for task in tasks if task.startswith("token_") or task in ("encode", "reward")
         )
     return PoolerSpec(convert, config, num_labels, activation, tasks)
+
+
+def _speculative_config(args: EngineArgs, runner: str) -> SpeculativeConfig | None:
+    speculative = SpeculativeConfig.of(args.speculative_config)
+    if speculative is None:
+        return None
+    if runner == "pooling":
+        raise ValueError(
+            "speculative_config speeds up generation, and runner='pooling' generates nothing; "
+            "leave speculative_config unset."
+        )
+    if args.logits_processors:
+        raise ValueError(
+            "speculative_config with logits_processors: a custom processor keeps state for one "
+            "token per request and step, and a speculative step scores several; use one of them "
+            "(SamplingParams.logits_processors, per request, work with speculation)."
+        )
+    return speculative
 
 
 def _lora_config(args: EngineArgs) -> LoRAConfig | None:

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from paged_llm.layers.attention import ATTENTION_BACKENDS
+from paged_llm.layers.attention import ATTENTION_BACKENDS, KV_CACHE_DTYPES
 from paged_llm.layers.quantization import QUANTIZATION_METHODS
 from paged_llm.logits_processors import (
     LOGITS_PROCESSORS_ALLOWED,
@@ -51,6 +51,7 @@ from paged_llm.settings import (
     parse_json,
     refused_unless,
 )
+from paged_llm.speculative import SpeculativeConfig
 
 # The argument groups of the flags of each kind of setting, on a parser: (title, description).
 _COMPATIBILITY_GROUP = (
@@ -66,13 +67,6 @@ _CLI_GROUPS = {
 ContainerT = TypeVar("ContainerT", bound=argparse._ActionsContainer)
 
 _POOLER_CONFIG = Valid(lambda value: isinstance(value, (PoolerConfig, dict)), "a PoolerConfig")
-# kv_cache_dtype's names (vLLM's) -> the cache's dtype; None: the model's.
-KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
-    "auto": None,
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
 
 
 @dataclass(kw_only=True)
@@ -333,6 +327,14 @@ class EngineArgs:
         cli=CliFlag(parse=parse_json),
         valid=_POOLER_CONFIG,
     )
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = honoured(
+        None,
+        'N-gram (prompt-lookup) speculative decoding, by vLLM\'s keys: `{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}`. '
+        'Lossless, and it turns itself down where it does not pay. See "Speculative decoding".',
+        cli=CliFlag(parse=parse_json),
+        valid=Valid(lambda value: isinstance(value, (SpeculativeConfig, dict)), "a dict"),
+    )
     # ----- honoured, in the table of "Coming from vLLM": the model, the tokenizer, and ----
     # vLLM's switches with one value here.
     tokenizer: str | Path | None = honoured(
@@ -526,9 +528,6 @@ class EngineArgs:
         (1,),
         "Pipeline parallelism is not supported; use tensor_parallel_size.",
         cli=CliFlag(aliases=("-pp",)),
-    )
-    speculative_config: dict[str, Any] | None = refused_unless(
-        (None,), "Speculative decoding is not supported."
     )
     enable_sleep_mode: bool = no_op(
         False, "LLM.sleep and wake_up work whatever this says (vLLM needs True to use them)."

@@ -27,8 +27,8 @@ class Counter(Metric):
 
 @dataclass
 class Vector(Metric):
-    """An ordered list of counts (vLLM's speculative-decoding acceptance per position; no
-    metric of paged_llm has this type)."""
+    """An ordered list of counts (vLLM's speculative-decoding acceptances per draft
+    position)."""
 
     values: list[int]
 

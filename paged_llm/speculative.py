@@ -16,12 +16,15 @@ class SpeculativeConfig:
     """``method`` "ngram": up to ``num_speculative_tokens`` draft tokens per step, from the
     most recent earlier occurrence of the longest suffix of ``prompt_lookup_min`` to
     ``prompt_lookup_max`` tokens (vLLM's defaults: both 5 when neither is given, one
-    standing for the other when only one is)."""
+    standing for the other when only one is). ``adaptive`` is paged_llm's own key."""
 
     num_speculative_tokens: int
     method: str = "ngram"
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    # Not a vLLM key. True: per step, draft only as much as measured to pay (see
+    # engine/speculation.py); False: always up to num_speculative_tokens (to measure that).
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method in ("[ngram]",):
@@ -47,6 +50,10 @@ class SpeculativeConfig:
                     + (" (it is required)" if required else " or None")
                     + f", got {value!r}."
                 )
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(
+                f"speculative_config['adaptive'] must be a bool, got {self.adaptive!r}."
+            )
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         low, high = (5, 5) if low is None and high is None else (low or high, high or low)
         if low > high:  # type: ignore[operator]

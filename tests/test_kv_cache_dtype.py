@@ -23,7 +23,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from benchmarks.perplexity import perplexity, text_token_ids
 from paged_llm import LLM, SamplingParams
-from paged_llm.engine_args import KV_CACHE_DTYPES
+from paged_llm.layers.attention import KV_CACHE_DTYPES
 from paged_llm.model_files import DEFAULT_MODEL
 from paged_llm.sampling_params import BeamSearchParams
 from tests.conftest import hf_greedy

@@ -21,7 +21,8 @@ class HostBatch:
     query_start_loc: np.ndarray  # [B + 1] int64
     seq_lens: np.ndarray  # [B] int64: context length after this step
     block_tables: np.ndarray  # [B, max_blocks] int32, zero-padded
-    logits_indices: np.ndarray  # rows whose logits are sampled
+    # Rows whose logits are sampled: each sampling sequence's last ``1 + len(draft)``.
+    logits_indices: np.ndarray
     max_query_len: int
 
     @property
@@ -50,14 +51,21 @@ def build_host_batch(
     block_tables: list[list[int]],
     samples: list[bool],
     block_size: int,
+    drafts: list[list[int]] | None = None,
 ) -> HostBatch:
     """Flat batch arrays for sequences with these tokens, computed counts, step sizes and
-    block tables. Per-token work is vectorized; only the gathering of each sequence's new
-    tokens and block table is a Python loop."""
+    block tables; a sequence's draft tokens (speculative decoding) follow its tokens and are
+    part of its step. Per-token work is vectorized; only the gathering of each sequence's
+    new tokens and block table is a Python loop."""
     num_seqs = len(token_ids)
+    drafts = drafts or [[]] * num_seqs
     step_ids: list[int] = []
-    for ids, start, count in zip(token_ids, num_computed, num_scheduled, strict=True):
+    for ids, draft, start, count in zip(
+        token_ids, drafts, num_computed, num_scheduled, strict=True
+    ):
+        # A draft's step reaches past the tokens: the slice ends with them.
         step_ids.extend(ids[start : start + count])
+        step_ids.extend(draft)
     computed = np.asarray(num_computed, dtype=np.int64)
     scheduled = np.asarray(num_scheduled, dtype=np.int64)
     query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
@@ -77,9 +85,28 @@ def build_host_batch(
         query_start_loc=query_start_loc,
         seq_lens=computed + scheduled,
         block_tables=table_array,
-        logits_indices=(query_start_loc[1:] - 1)[np.asarray(samples, dtype=bool)],
+        logits_indices=_logits_indices(query_start_loc, samples, drafts),
         max_query_len=int(scheduled.max()),
     )
+
+
+def _logits_indices(
+    query_start_loc: np.ndarray, samples: list[bool], drafts: list[list[int]]
+) -> np.ndarray:
+    """The last ``1 + len(draft)`` rows of each sampling sequence, in order."""
+    ends = query_start_loc[1:][np.asarray(samples, dtype=bool)]
+    num_rows = np.asarray(
+        [1 + len(draft) for draft, sample in zip(drafts, samples, strict=True) if sample],
+        dtype=np.int64,
+    )
+    if len(num_rows) == 0 or num_rows.max() == 1:
+        last_rows: np.ndarray = ends - 1
+        return last_rows
+    # Row j of a sequence's group counts back from its end: end - num_rows + j.
+    group_starts = np.repeat(ends - num_rows, num_rows)
+    offsets = np.arange(int(num_rows.sum())) - np.repeat(np.cumsum(num_rows) - num_rows, num_rows)
+    indices: np.ndarray = group_starts + offsets
+    return indices
 
 
 def to_device(

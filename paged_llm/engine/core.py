@@ -18,6 +18,7 @@ from paged_llm.engine.output_processor import OutputProcessor
 from paged_llm.engine.request import EngineRequest
 from paged_llm.engine.scheduler import ScheduledBatch, Scheduler
 from paged_llm.engine.sequence import FinishReason, Request, Sequence
+from paged_llm.engine.speculation import SequenceDrafts, Speculator
 from paged_llm.engine.stats import EngineStats
 from paged_llm.engine.weight_updates import NamedTensors, apply_weight_update
 from paged_llm.engine.worker import RunnerMethod
@@ -77,7 +78,12 @@ class EngineCore:
         self.block_manager = BlockManager(
             self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_token_ids)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.block_manager,
+            eos_token_ids,
+            None if config.speculative is None else Speculator(config.speculative),
+        )
         self.output_processor = OutputProcessor(tokenizer)
         # On rank 0 only, with the sequences: other ranks never sample. An LLM without a
         # tokenizer refuses structured outputs up front, so it needs no compiler.
@@ -148,6 +154,10 @@ class EngineCore:
             output_kind=request.output_kind,
             lora_request=request.lora_request,
         )
+        # NOTE: a grammar decides each next token's mask from the tokens before it, which a
+        # draft's rows would need one matcher state each for: such a request does not
+        # speculate.
+        speculative = self.config.speculative if grammar is None else None
         state.seqs = [
             Sequence(
                 next(self._seq_ids),
@@ -155,6 +165,7 @@ class EngineCore:
                 derive_seed(base_seed, index),
                 index,
                 None if grammar is None else SequenceGrammar(grammar),
+                None if speculative is None else SequenceDrafts(speculative),
             )
             for index in range(params.n)
         ]
@@ -171,6 +182,7 @@ class EngineCore:
         """Schedule, run and account one step; return the outputs of the requests it
         finished, then those of the unfinished ``CUMULATIVE`` or ``DELTA`` requests it
         added tokens to (``finished=False``)."""
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             raise RuntimeError(
@@ -183,24 +195,21 @@ class EngineCore:
             seq.request.prompt_logprobs.extend(output.prompt_logprobs.get(seq.seq_id, ()))
         failed = self._fail_requests_without_token(batch, output) if output.no_token_rows else []
         sampling_seqs = batch.sampling_seqs
-        self.stats.record_step(sampling_seqs, time.time())
-        finished = self.scheduler.update(batch, output.sampled_token_ids)
+        num_prompt_tokens = self.stats.record_step(sampling_seqs, time.time())
+        emitted = output.sampled_token_ids
+        finished = self.scheduler.update(batch, emitted)
         if output.logprobs is not None:
-            for seq, row in zip(sampling_seqs, output.logprobs, strict=True):
-                if row is not None:
-                    seq.logprobs.append(row)
+            for seq, tokens, rows in zip(sampling_seqs, emitted, output.logprobs, strict=True):
+                if rows is not None:
+                    seq.logprobs.extend(rows[: len(tokens)])
         searched = self.beam_searcher.step(sampling_seqs)
-        for seq in sampling_seqs:
-            if not seq.sampling_params.stop or seq.finish_reason is FinishReason.STOP:
-                continue
-            stop_str = self.output_processor.find_stop_string(seq)
-            if stop_str is None:
-                continue
-            if seq.is_finished:
-                seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop_str
-            else:
-                self.scheduler.stop_at_string(seq, stop_str)
+        for seq, tokens in zip(sampling_seqs, emitted, strict=True):
+            if seq.sampling_params.stop and self._stop_at_string(seq, len(tokens)):
                 finished.append(seq)
+        num_emitted = sum(map(len, emitted))
+        self.stats.record_emitted(num_prompt_tokens, num_emitted)
+        if self.scheduler.speculator is not None:
+            self.scheduler.speculator.step_done(num_emitted, time.perf_counter() - started)
         outputs: list[EngineOutput] = [
             self.output_processor.make_output(request)
             if request.pooling_params is None
@@ -225,6 +234,28 @@ class EngineCore:
             and request.request_id in self._unfinished
         ]
         return outputs + progress
+
+    def _stop_at_string(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether a stop string ends the sequence in its newest tokens and it is to be
+        reported finished now (a token that ended it already does not count: a stop string
+        it completed earlier in the same step ends it there instead, and the tokens after
+        it are dropped, as one token a step would have stopped)."""
+        if seq.finish_reason is FinishReason.STOP:
+            # The last token stopped it (EOS, a stop token, the grammar's end) and is not
+            # part of the text: only the tokens before it may complete a stop string.
+            num_new_tokens -= 1
+        found = self.output_processor.find_stop_string(seq, num_new_tokens)
+        if found is None:
+            return False
+        stop_str, num_dropped = found
+        if num_dropped:
+            del seq.token_ids[-num_dropped:]
+            del seq.logprobs[len(seq.logprobs) - num_dropped :]
+        if seq.is_finished:
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop_str
+            return False
+        self.scheduler.stop_at_string(seq, stop_str)
+        return True
 
     def _fail_requests_without_token(
         self, batch: ScheduledBatch, output: StepOutput

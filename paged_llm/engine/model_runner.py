@@ -25,12 +25,13 @@ from paged_llm.engine.lora_manager import LoRAModelSlots, LoRASlotTable, LoRASte
 from paged_llm.engine.model_loading import load_model
 from paged_llm.engine.persistent_batch import LogitsProcessors
 from paged_llm.engine.pooler import Pooler
-from paged_llm.engine.sampling_metadata import build_sampling_metadata
+from paged_llm.engine.sampling_metadata import SamplingRow, build_sampling_metadata, sampling_rows
 from paged_llm.engine.scheduler import ScheduledBatch
 from paged_llm.engine.sequence import RawLogprobs, Sequence
+from paged_llm.engine.speculation import num_accepted
 from paged_llm.layers.attention import Attention, KVCacheLayout, get_attention_backend
 from paged_llm.layers.linear import return_freed_heap_memory
-from paged_llm.layers.sampler import LogprobsTensors, Sampler, compute_logprobs
+from paged_llm.layers.sampler import LogprobsTensors, Sampler, SamplerOutput, compute_logprobs
 from paged_llm.platforms import DecodeGraphMode
 from paged_llm.structured_outputs.xgrammar_backend import apply_grammar_bitmask, grammar_bitmask
 
@@ -65,10 +66,12 @@ class _PromptScoring:
 
 @dataclass(slots=True)
 class StepOutput:
-    # One token per sampling sequence, in batch order.
-    sampled_token_ids: list[int]
-    # Per sampling sequence: its logprobs, or None where it asked for none.
-    logprobs: list[RawLogprobs | None] | None
+    # Per sampling sequence, in batch order: the tokens it emits, one unless it speculated
+    # (its accepted draft tokens, then the token drawn after them).
+    sampled_token_ids: list[list[int]]
+    # Per sampling sequence: the logprobs of each emitted token, or None where it asked for
+    # none.
+    logprobs: list[list[RawLogprobs] | None] | None
     # seq_id -> logprobs of the prompt positions scored this step, in order.
     prompt_logprobs: dict[int, list[RawLogprobs]]
     # Sampling rows whose masks left no token: their tokens and logprobs mean nothing.
@@ -386,6 +389,7 @@ class ModelRunner:
             block_tables=[seq.block_table for seq in batch.seqs],
             samples=batch.samples,
             block_size=self.block_size,
+            drafts=[seq.draft for seq in batch.seqs],
         )
         scoring = self._plan_prompt_scoring(batch, host.query_start_loc.tolist())
         plan = StepPlan(
@@ -426,7 +430,11 @@ class ModelRunner:
         if sampling_logits is None:
             return output
         logits = sampling_logits.float()
-        bitmask = grammar_bitmask([seq.grammar for seq in sampling_seqs])
+        rows = sampling_rows(sampling_seqs)
+        # NOTE: a sequence with a grammar never speculates: its row is its only one.
+        bitmask = grammar_bitmask(
+            [row.seq.grammar if row.num_drafted == 0 else None for row in rows]
+        )
         if bitmask is not None:
             # NOTE: before the sampler, as vLLM's runner does: its logprobs are then those
             # of the distribution the grammar leaves. A -inf logit stays -inf under the
@@ -435,27 +443,48 @@ class ModelRunner:
             apply_grammar_bitmask(
                 logits,
                 bitmask,
-                [row for row, seq in enumerate(sampling_seqs) if seq.grammar is not None],
+                [index for index, row in enumerate(rows) if row.seq.grammar is not None],
             )
         metadata = build_sampling_metadata(
-            sampling_seqs, logits.shape[-1], self.eos_token_ids, self.device, bitmask
+            rows, logits.shape[-1], self.eos_token_ids, self.device, bitmask
         )
         if processing is not None:
             processing.add_to(metadata)
         sampled = self.sampler(logits, metadata)
-        output.sampled_token_ids = sampled.token_ids.tolist()
-        if sampled.no_token is not None:
-            output.no_token_rows = sampled.no_token.nonzero().flatten().tolist()
-        if sampled.logprobs is not None:
-            output.logprobs = [
-                None if seq.sampling_params.logprobs is None else row
-                for seq, row in zip(
-                    sampling_seqs,
-                    _logprob_rows(sampled.logprobs, sampling_seqs, "logprobs"),
-                    strict=True,
-                )
-            ]
+        self._verify(output, sampled, rows)
         return output
+
+    def _verify(self, output: StepOutput, sampled: SamplerOutput, rows: list[SamplingRow]) -> None:
+        """Per sampling sequence, the tokens it emits: the token drawn from its row, or
+        after a draft the accepted draft tokens and the token drawn after them (see
+        engine/speculation.py), with their logprobs; a sequence fails (``no_token_rows``)
+        where a row it emits from had no token to draw."""
+        drawn = sampled.token_ids.tolist()
+        no_token = (
+            set()
+            if sampled.no_token is None
+            else set(sampled.no_token.nonzero().flatten().tolist())
+        )
+        logprob_rows = (
+            None
+            if sampled.logprobs is None
+            else _logprob_rows(sampled.logprobs, [row.seq for row in rows], "logprobs")
+        )
+        output.logprobs = None if logprob_rows is None else []
+        start = 0
+        for index, seq in enumerate(row.seq for row in rows if row.num_drafted == 0):
+            end = start + 1 + len(seq.draft)
+            emitted = 1 + num_accepted(drawn[start:end], seq.draft)
+            output.sampled_token_ids.append(drawn[start : start + emitted])
+            if not no_token.isdisjoint(range(start, start + emitted)):
+                output.no_token_rows.append(index)
+            if output.logprobs is not None and logprob_rows is not None:
+                output.logprobs.append(
+                    None
+                    if seq.sampling_params.logprobs is None
+                    else logprob_rows[start : start + emitted]
+                )
+            start = end
 
     def _plan_prompt_scoring(
         self, batch: ScheduledBatch, query_start_loc: list[int]

@@ -45,8 +45,11 @@ class OutputProcessor:
             self._stopped_texts.pop(seq.seq_id, None)
             self._reported.pop(seq.seq_id, None)
 
-    def find_stop_string(self, seq: Sequence) -> str | None:
-        """Detokenize the sequence's newest token; return a stop string it completes.
+    def find_stop_string(self, seq: Sequence, num_new_tokens: int) -> tuple[str, int] | None:
+        """Detokenize the sequence's ``num_new_tokens`` newest tokens (the last ones, or all
+        but the last where ``finish_reason`` says it stopped on a token) one at a time; at
+        the first that completes a stop string, return it and how many tokens follow that
+        one (to be dropped).
 
         Only sequences with stop strings are detokenized as they grow; the others are
         decoded once, when they finish.
@@ -62,15 +65,18 @@ class OutputProcessor:
                 params.spaces_between_special_tokens,
             )
             self._detokenizers[seq.seq_id] = detokenizer
-        delta = detokenizer.update(seq.token_ids[-1])
-        found = find_stop_string(
-            detokenizer.text, len(delta), params.stop, params.include_stop_str_in_output
-        )
-        if found is None:
-            return None
-        stop_str, end = found
-        self._stopped_texts[seq.seq_id] = detokenizer.text[:end]
-        return stop_str
+        # A token that stopped the sequence is last and not detokenized.
+        end = seq.num_tokens - (seq.finish_reason is FinishReason.STOP)
+        for position in range(end - num_new_tokens, end):
+            delta = detokenizer.update(seq.token_ids[position])
+            found = find_stop_string(
+                detokenizer.text, len(delta), params.stop, params.include_stop_str_in_output
+            )
+            if found is not None:
+                stop_str, text_end = found
+                self._stopped_texts[seq.seq_id] = detokenizer.text[:text_end]
+                return stop_str, seq.num_tokens - 1 - position
+        return None
 
     def _text(self, seq: Sequence) -> str:
         """The finished sequence's text; its per-sequence state is dropped."""

@@ -1,4 +1,5 @@
-"""Per-step sampling tensors, built from the sequences that draw a token this step.
+"""Per-step sampling tensors, one row per token drawn this step: one per sampling sequence,
+and for a speculating sequence one more per draft token (`SamplingRow`).
 
 Common parameters become one tensor per field. Rare features (allowed tokens, bad words,
 logit bias, min_tokens, per-request logits processors) are applied by looping over only
@@ -8,6 +9,7 @@ the rows that use them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,6 +21,30 @@ from paged_llm.logits_processors import apply_to_rows, bind_request_logits_proce
 from paged_llm.structured_outputs.xgrammar_backend import only_stop_tokens_allowed
 
 
+@dataclass(frozen=True, slots=True)
+class SamplingRow:
+    """A token to draw: ``seq``'s next token after the first ``num_drafted`` tokens of its
+    draft, which count as its output for the row (penalties, bans and min_tokens see them),
+    and whose position picks the row's uniform."""
+
+    seq: Sequence
+    num_drafted: int = 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        output = self.seq.output_token_ids
+        return output + self.seq.draft[: self.num_drafted] if self.num_drafted else output
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.seq.num_output_tokens + self.num_drafted
+
+
+def sampling_rows(seqs: list[Sequence]) -> list[SamplingRow]:
+    """The rows of these sampling sequences: each one's, then one per draft token."""
+    return [SamplingRow(seq, drafted) for seq in seqs for drafted in range(1 + len(seq.draft))]
+
+
 def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """``[len(rows), vocab_size]`` occurrences of each token in each row."""
     ids = torch.from_numpy(padded_array(rows, vocab_size, np.int64)).to(device)
@@ -27,11 +53,11 @@ def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) 
     return counts[:, :vocab_size]
 
 
-def _banned_next_tokens(seq: Sequence) -> list[int]:
-    """Last tokens of bad words whose other tokens the sequence has just generated."""
-    output = seq.output_token_ids
+def _banned_next_tokens(row: SamplingRow) -> list[int]:
+    """Last tokens of bad words whose other tokens the row's sequence has just generated."""
+    output = row.output_token_ids
     banned = []
-    for word in seq.request.bad_words_token_ids:
+    for word in row.seq.request.bad_words_token_ids:
         prefix = word[:-1]
         if not prefix or (len(output) >= len(prefix) and output[-len(prefix) :] == prefix):
             banned.append(word[-1])
@@ -39,7 +65,7 @@ def _banned_next_tokens(seq: Sequence) -> list[int]:
 
 
 def build_sampling_metadata(
-    seqs: list[Sequence],
+    rows: list[SamplingRow],
     vocab_size: int,
     eos_token_ids: frozenset[int],
     device: torch.device,
@@ -48,8 +74,9 @@ def build_sampling_metadata(
     """``grammar_bitmask``: the step's structured-output bitmask (`grammar_bitmask`), which
     the runner applies to the logits; here it decides whether min_tokens may still hold
     EOS back, and tells the sampler to look for rows it leaves without a token."""
+    seqs = [row.seq for row in rows]
     params = [seq.sampling_params for seq in seqs]
-    num_rows = len(seqs)
+    num_rows = len(rows)
 
     def row_tensor(values: list[float], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
@@ -59,7 +86,7 @@ def build_sampling_metadata(
             [0.0 if p.is_greedy else p.temperature for p in params], torch.float32
         ),
         seeds=row_tensor([seq.seed for seq in seqs], torch.int64),
-        counters=row_tensor([seq.num_output_tokens for seq in seqs], torch.int64),
+        counters=row_tensor([row.num_output_tokens for row in rows], torch.int64),
         all_greedy=all(p.is_greedy for p in params),
         grammar_masked=grammar_bitmask is not None,
     )
@@ -75,7 +102,7 @@ def build_sampling_metadata(
     use_presence = any(p.presence_penalty != 0.0 for p in params)
     if use_repetition or use_frequency or use_presence:
         metadata.output_token_counts = _token_counts(
-            [seq.output_token_ids for seq in seqs], vocab_size, device
+            [row.output_token_ids for row in rows], vocab_size, device
         )
     if use_repetition:
         metadata.repetition_penalty = row_tensor(
@@ -92,9 +119,9 @@ def build_sampling_metadata(
         metadata.presence_penalty = row_tensor([p.presence_penalty for p in params], torch.float32)
 
     banned: torch.Tensor | None = None
-    for row, (seq, p) in enumerate(zip(seqs, params, strict=True)):
+    for row, (sampling_row, seq, p) in enumerate(zip(rows, seqs, params, strict=True)):
         ban: list[int] = []
-        if seq.num_output_tokens < p.min_tokens:
+        if sampling_row.num_output_tokens < p.min_tokens:
             ban.extend(p.stop_token_ids)
             # NOTE: once the grammar can only end, min_tokens yields to it: banning EOS
             # too would leave no token to draw.
@@ -105,7 +132,7 @@ def build_sampling_metadata(
             ):
                 ban.extend(eos_token_ids)
         if seq.request.bad_words_token_ids:
-            ban.extend(_banned_next_tokens(seq))
+            ban.extend(_banned_next_tokens(sampling_row))
         if not ban and p.allowed_token_ids is None:
             continue
         if banned is None:
@@ -127,7 +154,7 @@ def build_sampling_metadata(
         metadata.logit_bias = bias
 
     if any(p.logits_processors for p in params):
-        metadata.logits_processors = (_request_logits_processors(seqs),)
+        metadata.logits_processors = (_request_logits_processors(rows),)
 
     requested = [p.logprobs for p in params if p.logprobs is not None]
     if requested:
@@ -135,16 +162,16 @@ def build_sampling_metadata(
     return metadata
 
 
-def _request_logits_processors(seqs: list[Sequence]) -> LogitsHook:
+def _request_logits_processors(rows: list[SamplingRow]) -> LogitsHook:
     """The `SamplingParams.logits_processors` of the rows that have them, applied in order
     to those rows alone."""
-    rows: list[tuple[int, Callable[[torch.Tensor], torch.Tensor]]] = []
-    for row, seq in enumerate(seqs):
-        processors = seq.sampling_params.logits_processors
+    bound: list[tuple[int, Callable[[torch.Tensor], torch.Tensor]]] = []
+    for index, row in enumerate(rows):
+        processors = row.seq.sampling_params.logits_processors
         if processors:
-            output = seq.output_token_ids
-            rows.extend(
-                (row, bind_request_logits_processor(fn, seq.prompt_token_ids, output))
+            output = row.output_token_ids
+            bound.extend(
+                (index, bind_request_logits_processor(fn, row.seq.prompt_token_ids, output))
                 for fn in processors
             )
-    return lambda logits: apply_to_rows(logits, rows)
+    return lambda logits: apply_to_rows(logits, bound)

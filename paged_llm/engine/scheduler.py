@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from paged_llm.config import SchedulerConfig
 from paged_llm.engine.block_manager import BlockHash, BlockManager
 from paged_llm.engine.sequence import FinishReason, Request, Sequence, SequenceStatus
+from paged_llm.engine.speculation import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +98,15 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: frozenset[int]
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        eos_token_ids: frozenset[int],
+        speculator: Speculator | None = None,
     ) -> None:
         self.config = config
+        # Speculative decoding's drafts; None: off.
+        self.speculator = speculator
         self.eos_token_ids = eos_token_ids
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
@@ -219,7 +226,35 @@ class Scheduler:
             budget -= num_new
             in_flight.update(self._completed_block_hashes(seq, num_new))
         self.waiting.extendleft(reversed(held_back))
+        if self.speculator is not None and not preempted and budget > 0:
+            self._add_drafts(batch, budget)
         return batch
+
+    def _add_drafts(self, batch: ScheduledBatch, budget: int) -> None:
+        """Give the step's decoding sequences that speculate their drafts, out of the token
+        budget and the free blocks that the step leaves (a draft never displaces a prompt
+        or preempts a sequence), each short enough that every token the step may emit
+        fits in ``max_tokens`` and ``max_model_len``."""
+        assert self.speculator is not None
+        decode_only = batch.num_tokens == len(batch.sampling_seqs)
+        cap = self.speculator.step_cap(len(batch.sampling_seqs), decode_only)
+        for i, seq in enumerate(batch.seqs):
+            if cap == 0 or budget == 0:
+                return
+            if seq.drafts is None or not batch.samples[i] or seq.num_output_tokens == 0:
+                continue
+            room = min(cap, budget, self.config.max_model_len - seq.num_tokens - 1)
+            max_tokens = seq.sampling_params.max_tokens
+            if max_tokens is not None:
+                room = min(room, max_tokens - seq.num_output_tokens - 1)
+            if room <= 0:
+                continue
+            draft = seq.drafts.propose(seq.token_ids, room)
+            if not draft or not self.block_manager.allocate_slots(seq, 1 + len(draft)):
+                continue
+            seq.draft = draft
+            batch.num_scheduled_tokens[i] += len(draft)
+            budget -= len(draft)
 
     def _running_loras(self) -> set[int]:
         """The adapters of the sequences holding places (running or paused)."""
@@ -257,35 +292,56 @@ class Scheduler:
                 self.num_preemptions,
             )
 
-    def update(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Sequence]:
+    def update(self, batch: ScheduledBatch, emitted: list[list[int]]) -> list[Sequence]:
         """Advance the batch by the step that just ran; return the sequences it finished.
 
-        ``sampled_token_ids`` holds one token per sampling sequence, in batch order.
+        ``emitted`` holds the tokens of each sampling sequence, in batch order: one, or
+        for a speculating sequence its accepted draft tokens and the token after them.
+        Tokens are appended one at a time until one finishes the sequence; each list is
+        cut, in place, to the tokens appended.
         """
         finished: list[Sequence] = []
         now = time.time()
-        tokens = iter(sampled_token_ids)
+        token_lists = iter(emitted)
         for seq, num_new, sample in zip(
             batch.seqs, batch.num_scheduled_tokens, batch.samples, strict=True
         ):
-            seq.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(seq)
+            draft = seq.draft
+            # The draft's keys and values are valid as far as it is accepted, below.
+            seq.num_computed_tokens += num_new - len(draft)
+            if not draft:
+                self.block_manager.cache_full_blocks(seq)
             if not sample:
                 continue
-            token = next(tokens)
+            tokens = next(token_lists)
             if seq.request.tokens_chosen_externally:
                 seq.awaits_external_step = True
                 continue
             if seq.pending_forks:
                 self._fork(seq)
-            seq.token_ids.append(token)
-            if seq.grammar is not None:
-                seq.grammar.accept(token)
+            num_appended = 0
+            for token in tokens:
+                seq.token_ids.append(token)
+                num_appended += 1
+                if seq.grammar is not None:
+                    seq.grammar.accept(token)
+                if self._check_stop(seq):
+                    finished.append(seq)
+                    break
+            if draft:
+                seq.draft = []
+                accepted = len(tokens) - 1
+                seq.num_computed_tokens += min(num_appended, accepted)
+                assert seq.drafts is not None and self.speculator is not None
+                seq.drafts.record(len(draft), accepted)
+                self.speculator.counts.record(len(draft), accepted)
+                # NOTE: only now that the accepted tokens are the sequence's: the prefix
+                # cache hashes its tokens, never a draft's.
+                self.block_manager.cache_full_blocks(seq)
+            del tokens[num_appended:]
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
             seq.metrics.last_token_time = now
-            if self._check_stop(seq):
-                finished.append(seq)
         for seq in batch.pooling_seqs:
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.finish_reason = FinishReason.STOP

@@ -24,6 +24,7 @@ from paged_llm.pooling_params import PoolingParams
 from paged_llm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
+    from paged_llm.engine.speculation import SequenceDrafts
     from paged_llm.structured_outputs.xgrammar_backend import SequenceGrammar
 
 
@@ -148,6 +149,8 @@ class Sequence:
         "awaits_external_step",
         "block_hashes",
         "block_table",
+        "draft",
+        "drafts",
         "finish_reason",
         "grammar",
         "index",
@@ -174,6 +177,7 @@ class Sequence:
         seed: int,
         index: int = 0,
         grammar: SequenceGrammar | None = None,
+        drafts: SequenceDrafts | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.request = request
@@ -204,6 +208,11 @@ class Sequence:
         # Structured outputs: the matcher of this sequence's own tokens (each of the n
         # sequences has its own), or None.
         self.grammar = grammar
+        # Speculative decoding: the sequence's n-gram index and acceptance (None: it does
+        # not speculate), and the draft tokens the current step verifies after its last
+        # token (not in ``token_ids``: they are not its tokens unless accepted).
+        self.drafts = drafts
+        self.draft: list[int] = []
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
 

@@ -32,7 +32,7 @@ from itertools import accumulate
 
 from paged_llm.engine.scheduler import Scheduler
 from paged_llm.engine.sequence import Request, Sequence
-from paged_llm.metrics import Counter, Gauge, Histogram, Metric
+from paged_llm.metrics import Counter, Gauge, Histogram, Metric, Vector
 from paged_llm.outputs import EngineOutput, RequestOutput
 
 # The ``finished_reason`` labels of ``vllm:request_success``, vLLM's `FinishReason`s; paged_llm
@@ -138,11 +138,12 @@ class EngineStats:
         self._time_to_first_token = self.histograms["vllm:time_to_first_token_seconds"]
         self._inter_token_latency = self.histograms["vllm:inter_token_latency_seconds"]
 
-    def record_step(self, sampling_seqs: list[Sequence], now: float) -> None:
-        """Count the step's tokens, one drawn for each of ``sampling_seqs``.
+    def record_step(self, sampling_seqs: list[Sequence], now: float) -> int:
+        """Time the step's first and next tokens of ``sampling_seqs``; return the prompt
+        tokens that the step completed, for `record_emitted`.
 
-        Called before `Scheduler.update` appends them: a sequence's output tokens and its
-        request's ``last_token_time`` are still those of the steps before.
+        Called before `Scheduler.update` appends the tokens: a sequence's output tokens and
+        its request's ``last_token_time`` are still those of the steps before.
         """
         num_prompt_tokens = 0
         for seq in sampling_seqs:
@@ -155,8 +156,12 @@ class EngineStats:
                 assert last_token_time is not None, "a sequence with output has its time"
                 self._inter_token_latency.observe(now - last_token_time)
         self.num_prompt_tokens += num_prompt_tokens
-        self.num_generation_tokens += len(sampling_seqs)
-        self._iteration_tokens.observe(num_prompt_tokens + len(sampling_seqs))
+        return num_prompt_tokens
+
+    def record_emitted(self, num_prompt_tokens: int, num_emitted: int) -> None:
+        """Count the tokens the step appended (several for a sequence that speculated)."""
+        self.num_generation_tokens += num_emitted
+        self._iteration_tokens.observe(num_prompt_tokens + num_emitted)
 
     def record_finished(self, request: Request, output: EngineOutput) -> None:
         """Count a request the engine reports finished: per completion its finish reason,
@@ -251,4 +256,20 @@ class EngineStats:
             for reason, count in self.request_success.items()
         ]
         values += [counts.histogram(name, labels()) for name, counts in self.histograms.items()]
+        speculator = scheduler.speculator
+        if speculator is not None:
+            counts = speculator.counts
+            values += [
+                Counter("vllm:spec_decode_num_drafts", labels(), counts.num_drafts),
+                Counter("vllm:spec_decode_num_draft_tokens", labels(), counts.num_draft_tokens),
+                Counter(
+                    "vllm:spec_decode_num_accepted_tokens", labels(), counts.num_accepted_tokens
+                ),
+                Vector(
+                    "vllm:spec_decode_num_accepted_tokens_per_pos",
+                    labels(),
+                    list(counts.accepted_per_position),
+                ),
+                Counter("vllm:spec_decode_num_emitted_tokens", labels(), counts.num_emitted_tokens),
+            ]
         return values

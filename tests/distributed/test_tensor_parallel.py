@@ -30,6 +30,15 @@ from tests.models.test_parity import (
     generate_greedy,
     group_settings,
 )
+from tests.test_speculative_decoding import (
+    EAGER_NGRAM,
+    GREEDY,
+    GREEDY_FEW,
+    copy_heavy_prompts,
+    run,
+    spec_counts,
+    tokens,
+)
 
 TP = 2
 
@@ -289,3 +298,26 @@ def test_beam_search_on_two_ranks_matches_one_rank(
     with LLM(tiny_model_dir("qwen2"), max_model_len=128, tensor_parallel_size=TP) as llm:
         outputs = llm.beam_search(prompts, params)
     assert [[s.tokens for s in o.sequences] for o in outputs] == one_rank
+
+
+def test_speculative_decoding_on_two_ranks_emits_one_rank_s_tokens_without_it(
+    llama_dir: Path, tokenizer: transformers.PreTrainedTokenizerBase
+) -> None:
+    """Drafts travel in the step plan like any scheduled token: greedy and seeded tokens
+    on two speculating ranks are those of one rank without speculation."""
+    prompts = copy_heavy_prompts(tokenizer)
+    seeded = SamplingParams(temperature=0.8, top_k=3, seed=4, max_tokens=24, ignore_eos=True)
+    params = [GREEDY, GREEDY_FEW, seeded]
+
+    def all_tokens(llm: LLM) -> list:
+        return [tokens(run(llm, prompts, p)) for p in params]
+
+    with LLM(llama_dir, max_model_len=128) as llm:
+        expected = all_tokens(llm)
+    before = child_pids()
+    with LLM(
+        llama_dir, max_model_len=128, tensor_parallel_size=TP, speculative_config=EAGER_NGRAM
+    ) as llm:
+        assert all_tokens(llm) == expected
+        assert spec_counts(llm)["num_accepted_tokens"] > 0
+    assert child_pids() - before == set()

@@ -85,7 +85,7 @@ class Engine:
         self.last_batch = batch
         holders = [*self.scheduler.running, *self.scheduler.paused]
         assert len(holders) <= self.scheduler.config.max_num_seqs
-        self.scheduler.update(batch, [EOS] * len(batch.sampling_seqs))
+        self.scheduler.update(batch, [[EOS] for _ in batch.sampling_seqs])
         for seq in batch.sampling_seqs:
             num_top = seq.sampling_params.logprobs
             assert num_top is not None

@@ -55,7 +55,7 @@ def make_scheduler() -> Scheduler:
 
 def step(scheduler: Scheduler) -> None:
     batch = scheduler.schedule()
-    scheduler.update(batch, [5] * sum(batch.samples))
+    scheduler.update(batch, [[5] for _ in batch.sampling_seqs])
 
 
 def assert_repaired(scheduler: Scheduler) -> None:

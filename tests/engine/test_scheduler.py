@@ -47,7 +47,7 @@ def make_prompt_seq(
 
 def step(scheduler: Scheduler, token: int = FILLER) -> tuple[ScheduledBatch, list[Sequence]]:
     batch = scheduler.schedule()
-    return batch, scheduler.update(batch, [token] * sum(batch.samples))
+    return batch, scheduler.update(batch, [[token] for _ in batch.sampling_seqs])
 
 
 def test_long_prompt_is_chunked_and_decodes_run_alongside() -> None:

@@ -2,7 +2,12 @@
 operators everywhere, torch plus a C++ decode kernel on CPU, Triton for GPU), and the layer
 models use."""
 
-from paged_llm.layers.attention.base import AttentionBackend, AttentionMetadata, KVCacheLayout
+from paged_llm.layers.attention.base import (
+    KV_CACHE_DTYPES,
+    AttentionBackend,
+    AttentionMetadata,
+    KVCacheLayout,
+)
 from paged_llm.layers.attention.cpu_backend import CpuAttentionBackend
 from paged_llm.layers.attention.layer import ATTENTION_BACKENDS, Attention, get_attention_backend
 from paged_llm.layers.attention.torch_backend import TorchAttentionBackend
@@ -10,6 +15,7 @@ from paged_llm.layers.attention.triton_backend import TritonAttentionBackend
 
 __all__ = [
     "ATTENTION_BACKENDS",
+    "KV_CACHE_DTYPES",
     "Attention",
     "AttentionBackend",
     "AttentionMetadata",

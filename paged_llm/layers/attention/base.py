@@ -13,6 +13,14 @@ from typing import Any, ClassVar
 
 import torch
 
+# kv_cache_dtype's names (vLLM's) -> the cache's dtype; None: the model's.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
