@@ -81,6 +81,8 @@ class EngineOptions:
     structured: str | None = None
     # paged_llm only: LLM(quantization=...).
     quantization: str | None = None
+    # paged_llm only: LLM(speculative_config=...).
+    speculative_config: dict[str, Any] | None = None
     # paged_llm only: after the timed run, also measure `benchmarks.perplexity`.
     measure_perplexity: bool = False
     # paged_llm and hf_static<N>: LoRA adapter directories (PEFT's format); request i (of
@@ -111,6 +113,11 @@ STRUCTURED_JSON_SCHEMA = {
 }
 
 
+# The speculative-decoding counters a paged_llm run reports (vLLM's names, after
+# "vllm:spec_decode_").
+SPECULATION_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
 @dataclass
 class EngineRun:
     """What one engine did with the whole workload."""
@@ -133,6 +140,10 @@ class EngineRun:
     num_steps: int | None = None
     # Seconds rank 0 waited in tensor-parallel collectives during the timed run.
     collective_seconds: float | None = None
+    # paged_llm with speculative_config: drafts verified, their tokens, and those accepted.
+    num_drafts: int | None = None
+    num_draft_tokens: int | None = None
+    num_accepted_tokens: int | None = None
     settings: dict[str, Any] = field(default_factory=dict)
     # paged_llm only: rank 0's weights in MiB, and the perplexity when asked for.
     weight_mib: float | None = None
@@ -192,6 +203,7 @@ class PagedLLMEngine(Engine):
             kv_cache_dtype=options.kv_cache_dtype,
             attention_backend=options.attention_backend,
             quantization=options.quantization,
+            speculative_config=options.speculative_config,
             **llm_lora_settings(options.lora_adapters),
         )
         self.structured = options.structured
@@ -204,11 +216,17 @@ class PagedLLMEngine(Engine):
 
     def counters(self) -> dict[str, float]:
         metrics = self.llm.get_engine_metrics()
+        speculation = {
+            metric.name.removeprefix("vllm:spec_decode_"): metric.value
+            for metric in self.llm.get_metrics()
+            if metric.name.removeprefix("vllm:spec_decode_") in SPECULATION_COUNTERS
+        }
         return {
             "prefix_cache_hit_tokens": metrics.prefix_cache_hit_tokens,
             "num_preemptions": metrics.num_preemptions,
             "num_steps": metrics.num_steps,
             "collective_seconds": metrics.collective_seconds,
+            **speculation,
         }
 
     def settings(self) -> dict[str, Any]:
@@ -591,6 +609,9 @@ def run_engine(
         num_preemptions=delta.get("num_preemptions"),
         num_steps=delta.get("num_steps"),
         collective_seconds=delta.get("collective_seconds"),
+        num_drafts=delta.get("num_drafts"),
+        num_draft_tokens=delta.get("num_draft_tokens"),
+        num_accepted_tokens=delta.get("num_accepted_tokens"),
         settings=settings,
         weight_mib=quality.get("weight_mib"),
         perplexity=quality.get("perplexity"),

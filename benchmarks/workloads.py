@@ -9,6 +9,9 @@ Shapes:
        template, output lengths uniform in a range.
     c: as b, with the same long system prompt in front of every request, so that prefix
        caching has something to share.
+    copy: copy-heavy chat prompts (speculative decoding's case): the pasted texts of b's
+       long prompts behind an instruction to return them whole, corrected or lightly
+       changed (`copy_task_prompts`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,17 @@ from transformers import PreTrainedTokenizerBase
 
 from benchmarks.prompts import SHARED_SYSTEM_PROMPT, USER_PROMPTS
 
-WORKLOAD_KINDS = ("a", "b", "c")
+WORKLOAD_KINDS = ("a", "b", "c", "copy")
+
+# Instructions of the copy workload: each asks for the pasted text back, whole.
+COPY_INSTRUCTIONS = (
+    "Correct the spelling mistakes in the following text and return the whole corrected "
+    "text, nothing else.",
+    "Copy the following text exactly, word for word.",
+    "Rewrite the following text with every number written out in words; change nothing "
+    "else and return all of it.",
+    "Return the following text unchanged, but put each sentence on its own line.",
+)
 
 # nano-vllm draws prompt token ids below 10,000: ordinary tokens of any vocabulary.
 RANDOM_TOKEN_ID_LIMIT = 10_000
@@ -115,6 +128,11 @@ def build_workload(spec: WorkloadSpec, tokenizer: PreTrainedTokenizerBase) -> Wo
             ]
             for _ in range(spec.num_requests)
         ]
+    elif spec.kind == "copy":
+        prompts = [
+            chat_prompt_token_ids(tokenizer, text, None)
+            for text in copy_task_prompts(spec.num_requests, rng)
+        ]
     else:
         system_prompt = SHARED_SYSTEM_PROMPT if spec.kind == "c" else None
         # Each prompt is used once before any repeats, so up to len(USER_PROMPTS) requests
@@ -131,6 +149,23 @@ def build_workload(spec: WorkloadSpec, tokenizer: PreTrainedTokenizerBase) -> Wo
         for prompt in prompts
     ]
     return Workload(spec, requests)
+
+
+def copy_task_prompts(num_prompts: int, rng: random.Random) -> list[str]:
+    """Copy-heavy user prompts: an instruction of `COPY_INSTRUCTIONS` and the pasted text of
+    one of b's long prompts, with a few seeded typos (two letters swapped) to correct."""
+    texts = [prompt.partition("\n\n")[2] for prompt in USER_PROMPTS if len(prompt) > 500]
+    prompts = []
+    for i in range(num_prompts):
+        words = texts[i % len(texts)].split(" ")
+        for _ in range(len(words) // 25):
+            index = rng.randrange(len(words))
+            word = words[index]
+            if len(word) > 3:
+                words[index] = word[0] + word[2] + word[1] + word[3:]
+        instruction = COPY_INSTRUCTIONS[rng.randrange(len(COPY_INSTRUCTIONS))]
+        prompts.append(f"{instruction}\n\n{' '.join(words)}")
+    return prompts
 
 
 def random_token_requests(

@@ -156,7 +156,12 @@ class ModelRunner:
         budget = self.platform.kv_cache_budget_bytes(
             config.kv_cache_memory_bytes,
             config.gpu_memory_utilization,
-            config.scheduler.max_num_seqs * config.max_model_len * self.kv_bytes_per_token,
+            # NOTE: whole blocks: a max_model_len that is no multiple of the block size
+            # still needs its last block.
+            config.scheduler.max_num_seqs
+            * self._blocks_per_seq
+            * self.block_size
+            * self.kv_bytes_per_token,
             self._profile_step,
         )
         # Every rank holds the same blocks, so the smallest budget decides.

@@ -77,3 +77,13 @@ def test_the_rotary_table_is_built_by_the_first_step_at_max_model_len(
         assert table_sizes == []
         llm.generate("hi", use_tqdm=False)
     assert table_sizes == [64]
+
+
+def test_the_default_cache_holds_max_num_seqs_sequences_whose_length_is_no_multiple_of_a_block(
+    llama_dir: Path,
+) -> None:
+    """The CPU default sizes the cache for max_num_seqs sequences of max_model_len tokens,
+    in whole blocks: 308 tokens need 20 blocks of 16, not the 19 that 308 tokens' bytes
+    make (which used to refuse to start)."""
+    with LLM(llama_dir, max_model_len=308, max_num_seqs=1, block_size=16) as llm:
+        assert llm.engine.block_manager.num_blocks == 20
