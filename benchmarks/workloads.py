@@ -9,9 +9,9 @@ Shapes:
        template, output lengths uniform in a range.
     c: as b, with the same long system prompt in front of every request, so that prefix
        caching has something to share.
-    copy: copy-heavy chat prompts (speculative decoding's case): the pasted texts of b's
-       long prompts behind an instruction to return them whole, corrected or lightly
-       changed (`copy_task_prompts`).
+    copy: copy-heavy chat prompts (speculative decoding's case): a list of records behind an
+       instruction to return it whole, copied, corrected or lightly reformatted
+       (`copy_task_prompts`).
 """
 
 from __future__ import annotations
@@ -25,15 +25,38 @@ from benchmarks.prompts import SHARED_SYSTEM_PROMPT, USER_PROMPTS
 
 WORKLOAD_KINDS = ("a", "b", "c", "copy")
 
-# Instructions of the copy workload: each asks for the pasted text back, whole.
+# The copy workload: an instruction that asks for a list back, whole, copied, corrected or
+# lightly reformatted, and a seeded list of `COPY_LIST_LENGTH` inventory records.
 COPY_INSTRUCTIONS = (
-    "Correct the spelling mistakes in the following text and return the whole corrected "
-    "text, nothing else.",
-    "Copy the following text exactly, word for word.",
-    "Rewrite the following text with every number written out in words; change nothing "
-    "else and return all of it.",
-    "Return the following text unchanged, but put each sentence on its own line.",
+    "Copy this inventory list exactly.",
+    "Correct the spelling of the fruit names in this list. Return the whole list in the "
+    "same order, nothing else.",
+    "Rewrite this list replacing 'kg' with 'kilograms'. Keep everything else the same.",
+    "Return this list in the same order, with the first letter of each fruit capitalized. "
+    "Output only the list.",
 )
+COPY_LIST_LENGTH = 15
+_FRUITS = [
+    "apple",
+    "banana",
+    "cherry",
+    "grape",
+    "lemon",
+    "mango",
+    "orange",
+    "peach",
+    "pear",
+    "plum",
+    "kiwi",
+    "melon",
+    "lime",
+    "fig",
+    "date",
+    "apricot",
+    "papaya",
+    "guava",
+]
+_COLORS = ["red", "green", "blue", "yellow", "purple", "orange", "black", "white", "brown", "pink"]
 
 # nano-vllm draws prompt token ids below 10,000: ordinary tokens of any vocabulary.
 RANDOM_TOKEN_ID_LIMIT = 10_000
@@ -152,19 +175,22 @@ def build_workload(spec: WorkloadSpec, tokenizer: PreTrainedTokenizerBase) -> Wo
 
 
 def copy_task_prompts(num_prompts: int, rng: random.Random) -> list[str]:
-    """Copy-heavy user prompts: an instruction of `COPY_INSTRUCTIONS` and the pasted text of
-    one of b's long prompts, with a few seeded typos (two letters swapped) to correct."""
-    texts = [prompt.partition("\n\n")[2] for prompt in USER_PROMPTS if len(prompt) > 500]
+    """Copy-heavy user prompts: an instruction of `COPY_INSTRUCTIONS` and a list of
+    inventory records ("3. green mango, 12 kg, $4.07"), one fruit name in five misspelled
+    (two letters swapped)."""
     prompts = []
-    for i in range(num_prompts):
-        words = texts[i % len(texts)].split(" ")
-        for _ in range(len(words) // 25):
-            index = rng.randrange(len(words))
-            word = words[index]
-            if len(word) > 3:
-                words[index] = word[0] + word[2] + word[1] + word[3:]
+    for _ in range(num_prompts):
+        records = []
+        for number in range(1, COPY_LIST_LENGTH + 1):
+            fruit = rng.choice(_FRUITS)
+            if rng.random() < 0.2:
+                fruit = fruit[0] + fruit[2] + fruit[1] + fruit[3:]
+            price = f"${rng.randint(1, 99)}.{rng.randint(0, 99):02d}"
+            records.append(
+                f"{number}. {rng.choice(_COLORS)} {fruit}, {rng.randint(1, 20)} kg, {price}"
+            )
         instruction = COPY_INSTRUCTIONS[rng.randrange(len(COPY_INSTRUCTIONS))]
-        prompts.append(f"{instruction}\n\n{' '.join(words)}")
+        prompts.append(f"{instruction}\n\n" + "\n".join(records))
     return prompts
 
 

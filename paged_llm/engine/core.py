@@ -209,7 +209,7 @@ class EngineCore:
         num_emitted = sum(map(len, emitted))
         self.stats.record_emitted(num_prompt_tokens, num_emitted)
         if self.scheduler.speculator is not None:
-            self.scheduler.speculator.step_done(num_emitted, time.perf_counter() - started)
+            self.scheduler.speculator.step_done(time.perf_counter() - started)
         outputs: list[EngineOutput] = [
             self.output_processor.make_output(request)
             if request.pooling_params is None

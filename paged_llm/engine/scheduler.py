@@ -31,6 +31,13 @@ like any prompt, never samples (``ScheduledBatch.pooling_seqs`` instead of
 ``sampling_seqs``), and `update` finishes it, freeing its blocks, in the step that computes
 its last prompt token. One pooled over every token (``Request.pools_every_token``) is
 admitted without cached blocks, since the cache holds no hidden states.
+
+With speculative decoding (``speculator``), once the step's sequences and admissions are
+planned, a decoding sequence that speculates gets its draft (engine/speculation.py) from
+the budget and free blocks left: ``Sequence.draft``, computed after its last token and
+verified by the runner. `update` appends what the verification accepted, one token at a
+time with the stop checks, and only then offers the sequence's full blocks to the prefix
+cache, so a draft's tokens never reach it.
 """
 
 from __future__ import annotations
@@ -234,27 +241,38 @@ class Scheduler:
         """Give the step's decoding sequences that speculate their drafts, out of the token
         budget and the free blocks that the step leaves (a draft never displaces a prompt
         or preempts a sequence), each short enough that every token the step may emit
-        fits in ``max_tokens`` and ``max_model_len``."""
-        assert self.speculator is not None
+        fits in ``max_tokens`` and ``max_model_len``, and as long as the speculator finds
+        it pays."""
+        speculator = self.speculator
+        assert speculator is not None
         decode_only = batch.num_tokens == len(batch.sampling_seqs)
-        cap = self.speculator.step_cap(len(batch.sampling_seqs), decode_only)
+        candidates: list[tuple[int, list[int]]] = []
         for i, seq in enumerate(batch.seqs):
-            if cap == 0 or budget == 0:
-                return
             if seq.drafts is None or not batch.samples[i] or seq.num_output_tokens == 0:
                 continue
-            room = min(cap, budget, self.config.max_model_len - seq.num_tokens - 1)
+            room = min(
+                speculator.config.num_speculative_tokens,
+                self.config.max_model_len - seq.num_tokens - 1,
+            )
             max_tokens = seq.sampling_params.max_tokens
             if max_tokens is not None:
                 room = min(room, max_tokens - seq.num_output_tokens - 1)
-            if room <= 0:
-                continue
-            draft = seq.drafts.propose(seq.token_ids, room)
-            if not draft or not self.block_manager.allocate_slots(seq, 1 + len(draft)):
-                continue
-            seq.draft = draft
-            batch.num_scheduled_tokens[i] += len(draft)
-            budget -= len(draft)
+            proposal = seq.drafts.index.propose(seq.token_ids, room) if room > 0 else []
+            if proposal:
+                candidates.append((i, proposal))
+        lengths = speculator.draft_lengths(
+            [drafts for i, _ in candidates if (drafts := batch.seqs[i].drafts) is not None],
+            [len(proposal) for _, proposal in candidates],
+            len(batch.sampling_seqs),
+            batch.num_tokens,
+            budget,
+        )
+        for (i, proposal), length in zip(candidates, lengths, strict=True):
+            seq = batch.seqs[i]
+            if length and self.block_manager.allocate_slots(seq, 1 + length):
+                seq.draft = proposal[:length]
+                batch.num_scheduled_tokens[i] += length
+        speculator.step_planned(batch.num_tokens, decode_only)
 
     def _running_loras(self) -> set[int]:
         """The adapters of the sequences holding places (running or paused)."""

@@ -20,16 +20,17 @@ probability ``p(x)``, and when it is not, the drawn token is distributed as ``p`
 
 **How much to draft.** A verified position costs the forward a token; at batch 1 a CPU or
 GPU step is bound by reading the weights and extra tokens are nearly free, at batch 64 a CPU
-step is bound by arithmetic and every draft token costs about as much as a decoded one. Two
-measured rules bound the draft (`AdaptiveDrafting`):
+step is bound by arithmetic and every draft token costs about as much as a decoded one. The
+rule weighs both per step (`DraftPlanner`): decode steps are timed and fitted as ``fixed +
+per_token x tokens`` (`StepCostModel`); a sequence's ``j``-th draft token is expected to add
+``a ** j`` tokens, ``a`` its recent acceptance per drafted token (`SequenceDrafts`); draft
+tokens are taken, the most promising first, while each raises the step's expected tokens per
+second: while ``a ** j > per_token x rate``, the rate being the step's expected tokens over
+its expected seconds so far. Until the fit exists (the first decode steps, or steps of one
+size only), every other step verifies one token of each draft and the others none, which
+gives the fit steps of two sizes.
 
-- per step: for its band of batch sizes (1, 2-3, 4-7, ...), the draft cap whose decode
-  steps emitted the most tokens per second, each cap re-measured every few steps;
-- per sequence: its recent acceptance ``a`` (per drafted token) bounds its draft to the run it
-  is expected to accept plus one (``a / (1 - a) + 1``), at least one token, so that the
-  estimate stays current.
-
-Whatever they decide, the tokens are the same: only the speed changes.
+Whatever it decides, the tokens are the same: only the speed changes.
 """
 
 from __future__ import annotations
@@ -106,74 +107,105 @@ class SequenceDrafts:
         """Recent share of drafted tokens accepted, given the ones before them were."""
         return self._accepted / (self._accepted + self._rejected)
 
-    def propose(self, tokens: TokenSequence[int], max_tokens: int) -> list[int]:
-        """The draft after ``tokens``: at most ``max_tokens``, and at most the run the recent
-        acceptance expects plus one."""
-        acceptance = self.acceptance
-        worthwhile = max(1, round(acceptance / (1.0 - acceptance)) + 1)
-        return self.index.propose(tokens, min(max_tokens, worthwhile))
-
     def record(self, num_drafted: int, accepted: int) -> None:
         self._accepted = _ACCEPTANCE_MEMORY * self._accepted + accepted
         self._rejected = _ACCEPTANCE_MEMORY * self._rejected + (accepted < num_drafted)
 
 
-# A band re-measures one of its other caps every this many steps.
-_REMEASURE_EVERY = 16
-# Weight of a new measurement of a cap's rate.
-_RATE_WEIGHT = 0.3
-# Measurements of each cap before a band trusts its rates.
-_FIRST_MEASUREMENTS = 2
+# Weight of the earlier steps in the cost fit at each new one: about the last 20 steps count.
+_COST_MEMORY = 0.95
+# Least spread of step sizes (tokens squared) that fits a per-token cost; below it the last
+# fitted per-token cost stays.
+_MIN_SIZE_VARIANCE = 0.1
 
 
-@dataclass(slots=True)
-class _Band:
-    """The measured decode rates of one band of batch sizes: cap -> output tokens per second
-    (an exponential average), and how often each was measured."""
+class StepCostModel:
+    """Seconds of a decode step as ``fixed + per_token x tokens``, fitted by least squares
+    to the recent steps (exponentially weighted)."""
 
-    rates: dict[int, float] = field(default_factory=dict)
-    measured: dict[int, int] = field(default_factory=dict)
-    num_steps: int = 0
+    def __init__(self) -> None:
+        self._weight = self._tokens = self._tokens_squared = 0.0
+        self._seconds = self._tokens_seconds = 0.0
+        self.per_token: float | None = None
+
+    def record(self, num_tokens: int, seconds: float) -> None:
+        self._weight = _COST_MEMORY * self._weight + 1.0
+        self._tokens = _COST_MEMORY * self._tokens + num_tokens
+        self._tokens_squared = _COST_MEMORY * self._tokens_squared + num_tokens**2
+        self._seconds = _COST_MEMORY * self._seconds + seconds
+        self._tokens_seconds = _COST_MEMORY * self._tokens_seconds + num_tokens * seconds
+        mean_tokens = self._tokens / self._weight
+        variance = self._tokens_squared / self._weight - mean_tokens**2
+        if variance >= _MIN_SIZE_VARIANCE:
+            covariance = (
+                self._tokens_seconds / self._weight - mean_tokens * self._seconds / self._weight
+            )
+            self.per_token = max(covariance / variance, 0.0)
+
+    @property
+    def fixed(self) -> float | None:
+        """The per-step cost, through the recent steps' mean under the fitted slope."""
+        if self.per_token is None:
+            return None
+        mean_tokens = self._tokens / self._weight
+        return max(self._seconds / self._weight - self.per_token * mean_tokens, 0.0)
 
 
-class AdaptiveDrafting:
-    """The per-step draft cap (see the module docstring): for each band of batch sizes, the
-    cap with the best measured decode rate. Every ``_REMEASURE_EVERY``-th step of a band
-    re-measures another cap, in turn, so that the choice follows the workload; until each
-    cap has been measured twice, the band tries them in turn, largest first."""
+class DraftPlanner:
+    """How many of their proposed draft tokens a step's sequences verify (see the module
+    docstring)."""
 
-    def __init__(self, num_speculative_tokens: int) -> None:
-        caps = {0, num_speculative_tokens}
-        cap = 1
-        while cap < num_speculative_tokens:
-            caps.add(cap)
-            cap *= 2
-        self.caps = sorted(caps, reverse=True)
-        self._bands: dict[int, _Band] = {}
-        self._next_remeasured = 0
+    def __init__(self) -> None:
+        self.cost = StepCostModel()
+        self._num_probes = 0
 
-    def choose(self, batch_size: int) -> int:
-        band = self._bands.setdefault(batch_size.bit_length(), _Band())
-        band.num_steps += 1
-        for cap in self.caps:
-            if band.measured.get(cap, 0) < _FIRST_MEASUREMENTS:
-                return cap
-        best = max(self.caps, key=band.rates.__getitem__)
-        if band.num_steps % _REMEASURE_EVERY:
-            return best
-        others = [cap for cap in self.caps if cap != best]
-        self._next_remeasured += 1
-        return others[self._next_remeasured % len(others)]
-
-    def record(self, batch_size: int, cap: int, num_emitted: int, seconds: float) -> None:
-        """A decode step (no prompt tokens) of ``batch_size`` sequences under ``cap``."""
-        band = self._bands[batch_size.bit_length()]
-        rate = num_emitted / max(seconds, 1e-9)
-        count = band.measured.get(cap, 0)
-        band.rates[cap] = (
-            rate if count == 0 else (1 - _RATE_WEIGHT) * band.rates[cap] + (_RATE_WEIGHT * rate)
+    def plan(
+        self,
+        acceptances: list[float],
+        proposed: list[int],
+        num_sampling: int,
+        num_tokens: int,
+        budget: int,
+    ) -> list[int]:
+        """Draft lengths for sequences of these recent ``acceptances`` and ``proposed``
+        draft lengths, in a step of ``num_sampling`` sampling sequences and ``num_tokens``
+        tokens before drafts, with ``budget`` tokens left."""
+        fixed, per_token = self.cost.fixed, self.cost.per_token
+        if fixed is None or per_token is None:
+            # Steps of two sizes for the fit: every other one verifies a token of each draft.
+            self._num_probes += 1
+            lengths = [min(self._num_probes % 2, length) for length in proposed]
+            return _within_budget(lengths, budget)
+        lengths = [0] * len(proposed)
+        expected_tokens, tokens = float(num_sampling), num_tokens
+        # The j-th token of a draft adds acceptance ** j: within a sequence the values fall,
+        # so taking the largest first takes prefixes.
+        candidates = sorted(
+            (
+                (acceptance**position, index)
+                for index, (acceptance, length) in enumerate(
+                    zip(acceptances, proposed, strict=True)
+                )
+                for position in range(1, length + 1)
+            ),
+            reverse=True,
         )
-        band.measured[cap] = count + 1
+        for value, index in candidates[:budget]:
+            rate = expected_tokens / (fixed + per_token * tokens)
+            if value <= per_token * rate:
+                break
+            lengths[index] += 1
+            expected_tokens += value
+            tokens += 1
+        return lengths
+
+
+def _within_budget(lengths: list[int], budget: int) -> list[int]:
+    kept = []
+    for length in lengths:
+        kept.append(min(length, budget))
+        budget -= kept[-1]
+    return kept
 
 
 @dataclass(slots=True)
@@ -197,28 +229,38 @@ class SpeculationCounts:
 
 
 class Speculator:
-    """The scheduler's side of speculation: the step's draft cap, each sequence's draft, and
-    what verification made of them."""
+    """The scheduler's side of speculation: each step's drafts, the step timings the plan
+    learns from, and what verification made of the drafts."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self.adaptive = AdaptiveDrafting(config.num_speculative_tokens) if config.adaptive else None
+        self.planner = DraftPlanner() if config.adaptive else None
         self.counts = SpeculationCounts(accepted_per_position=[0] * config.num_speculative_tokens)
-        # The current step's (batch size, cap) when it is a decode step the rule measures.
-        self._measured_step: tuple[int, int] | None = None
+        # The current step's tokens, when it is a decode step the cost fit learns from.
+        self._timed_step: int | None = None
 
-    def step_cap(self, batch_size: int, decode_only: bool) -> int:
-        """Most draft tokens per sequence in a step of ``batch_size`` sampling sequences."""
-        self._measured_step = None
-        if self.adaptive is None:
-            return self.config.num_speculative_tokens
-        cap = self.adaptive.choose(batch_size)
-        if decode_only:
-            self._measured_step = (batch_size, cap)
-        return cap
+    def draft_lengths(
+        self,
+        drafts: list[SequenceDrafts],
+        proposed: list[int],
+        num_sampling: int,
+        num_tokens: int,
+        budget: int,
+    ) -> list[int]:
+        """How much of each proposal to verify (`DraftPlanner.plan`; all of it, within the
+        budget, without the adaptive rule)."""
+        if self.planner is None:
+            return _within_budget(proposed, budget)
+        return self.planner.plan(
+            [d.acceptance for d in drafts], proposed, num_sampling, num_tokens, budget
+        )
 
-    def step_done(self, num_emitted: int, seconds: float) -> None:
-        """The step ended, emitting ``num_emitted`` tokens in ``seconds``."""
-        if self._measured_step is not None and self.adaptive is not None:
-            self.adaptive.record(*self._measured_step, num_emitted, seconds)
-        self._measured_step = None
+    def step_planned(self, num_tokens: int, decode_only: bool) -> None:
+        """The step about to run: ``num_tokens`` tokens, drafts included; ``decode_only``:
+        every sequence of it decodes."""
+        self._timed_step = num_tokens if decode_only else None
+
+    def step_done(self, seconds: float) -> None:
+        if self._timed_step is not None and self.planner is not None:
+            self.planner.cost.record(self._timed_step, seconds)
+        self._timed_step = None

@@ -1,5 +1,6 @@
 """The parts of n-gram speculation on their own: the proposer against a scan of the whole
-context, the acceptance rule, the per-sequence acceptance and the adaptive draft cap."""
+context, the acceptance rule, the per-sequence acceptance, the step-cost fit and the plan
+of how much to draft."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import random
 import pytest
 
 from paged_llm.engine.speculation import (
-    AdaptiveDrafting,
+    DraftPlanner,
     NgramIndex,
     SequenceDrafts,
+    StepCostModel,
     num_accepted,
 )
 from paged_llm.speculative import SpeculativeConfig
@@ -60,35 +62,60 @@ def test_a_draft_token_is_accepted_while_it_is_the_token_drawn_at_its_position(
     assert num_accepted(drawn, draft) == accepted
 
 
-def test_a_sequence_that_keeps_rejecting_drafts_one_token_and_one_that_accepts_the_most() -> None:
-    config = SpeculativeConfig(num_speculative_tokens=8, prompt_lookup_min=1, prompt_lookup_max=1)
-    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1]
+def test_a_sequence_s_acceptance_follows_its_recent_drafts() -> None:
+    config = SpeculativeConfig(num_speculative_tokens=8)
     rejecting, accepting = SequenceDrafts(config), SequenceDrafts(config)
-    assert len(rejecting.propose(tokens, 8)) == 2  # the prior: half accepted
+    assert rejecting.acceptance == 0.5  # the prior: one accepted, one rejected
     for _ in range(5):
         rejecting.record(num_drafted=2, accepted=0)
         accepting.record(num_drafted=8, accepted=8)
-    assert rejecting.acceptance < 0.2 and accepting.acceptance > 0.9
-    assert rejecting.propose(tokens, 8) == [2]
-    assert accepting.propose(tokens, 8) == [2, 3, 4, 5, 6, 7, 8, 9]
+    assert rejecting.acceptance < 0.1 and accepting.acceptance > 0.9
+    for _ in range(5):
+        rejecting.record(num_drafted=4, accepted=4)
+    assert rejecting.acceptance > 0.8
 
 
-def test_the_adaptive_cap_measures_every_cap_then_keeps_the_fastest_and_remeasures_the_others() -> (
+def test_the_step_cost_fit_recovers_a_line_and_keeps_its_slope_through_steps_of_one_size() -> None:
+    model = StepCostModel()
+    assert model.fixed is None and model.per_token is None
+    for tokens in [4, 8, 12, 20, 5, 16] * 3:
+        model.record(tokens, 0.030 + 0.002 * tokens)
+    assert model.per_token == pytest.approx(0.002) and model.fixed == pytest.approx(0.030)
+    for _ in range(200):
+        model.record(4, 0.040)  # slower now, and every step of one size
+    # The slope of the last steps of several sizes (which met the slower ones) stays, and
+    # the line goes through the recent steps.
+    assert model.per_token == pytest.approx(0.002, rel=0.2)
+    assert model.fixed == pytest.approx(0.040 - model.per_token * 4)
+
+
+def fitted_planner(fixed: float, per_token: float) -> DraftPlanner:
+    planner = DraftPlanner()
+    for tokens in (1, 3, 5, 9):
+        planner.cost.record(tokens, fixed + per_token * tokens)
+    return planner
+
+
+def test_drafts_are_long_where_steps_are_bound_by_the_weights_and_none_where_by_arithmetic() -> (
     None
 ):
-    drafting = AdaptiveDrafting(num_speculative_tokens=4)
-    assert drafting.caps == [4, 2, 1, 0]
-    # Tokens per second by cap: drafting two pays most at batch 1, none at batch 64.
-    rates = {1: {4: 30.0, 2: 40.0, 1: 35.0, 0: 20.0}, 64: {4: 50.0, 2: 70.0, 1: 80.0, 0: 100.0}}
-    chosen: dict[int, list[int]] = {1: [], 64: []}
-    for _ in range(200):
-        for batch_size, by_cap in rates.items():
-            cap = drafting.choose(batch_size)
-            chosen[batch_size].append(cap)
-            drafting.record(batch_size, cap, num_emitted=int(by_cap[cap]), seconds=1.0)
-    for batch_size, best in ((1, 2), (64, 0)):
-        steps = chosen[batch_size]
-        assert steps[:8] == [4, 4, 2, 2, 1, 1, 0, 0]  # each cap measured twice, largest first
-        later = steps[8:]
-        assert later.count(best) >= 0.9 * len(later)
-        assert set(later) == {4, 2, 1, 0}  # the others are measured again now and then
+    # Batch 1 of a CPU decode: 33 ms a step, 1 ms a token.
+    weight_bound = fitted_planner(fixed=0.033, per_token=0.001)
+    assert weight_bound.plan([0.9], [4], num_sampling=1, num_tokens=1, budget=100) == [4]
+    assert weight_bound.plan([0.5], [4], num_sampling=1, num_tokens=1, budget=100) == [4]
+    assert weight_bound.plan([0.05], [4], num_sampling=1, num_tokens=1, budget=100) == [1]
+    # Batch 64: the step is mostly per-token arithmetic.
+    arithmetic_bound = fitted_planner(fixed=0.010, per_token=0.002)
+    assert arithmetic_bound.plan([0.7] * 64, [4] * 64, 64, 64, budget=1000) == [0] * 64
+    # Only drafts that are almost surely accepted pay there.
+    planned = arithmetic_bound.plan([0.99, 0.5], [4, 4], 64, 64, budget=1000)
+    assert planned[0] >= 2 and planned[1] == 0
+    # The most promising tokens first, within the budget.
+    assert weight_bound.plan([0.9, 0.6], [4, 4], 2, 2, budget=3) == [3, 0]
+
+
+def test_until_the_fit_exists_every_other_step_drafts_one_token() -> None:
+    planner = DraftPlanner()
+    assert planner.plan([0.9, 0.9, 0.9], [4, 0, 2], 3, 3, budget=1) == [1, 0, 0]
+    assert planner.plan([0.9, 0.9, 0.9], [4, 0, 2], 3, 3, budget=5) == [0, 0, 0]
+    assert planner.plan([0.9, 0.9, 0.9], [4, 0, 2], 3, 3, budget=5) == [1, 0, 1]

@@ -120,6 +120,14 @@ def _shared_prefix_blocks(
     return members, int(same.int().cumprod(dim=0).sum())
 
 
+# Queries of up to this many tokens (a decode, a speculative draft after its last token, the
+# short last chunk of a prompt) are attended as decodes, each token over its own context and
+# all of them batched across sequences; longer ones as a prefill per sequence. A step of 16
+# drafts of 2 tokens ran in 140 ms as 16 prefills (SmolLM2-135M, 2 cores), against 70 ms
+# for the 16 one-token decodes before them.
+DECODE_QUERY_TOKENS = 8
+
+
 class TorchAttentionBackend(AttentionBackend):
     """The cache is head-major, ``[Hkv, num_blocks, block_size, D]``, so a gather over block
     tables yields ``[Hkv, seqs, context, D]``, which batched matmuls consume as is."""
@@ -162,7 +170,7 @@ class TorchAttentionBackend(AttentionBackend):
         prefills: list[_PrefillSeq] = []
         for b, seq_len in enumerate(seq_lens):
             start, end = qsl[b], qsl[b + 1]
-            if end - start == 1 or self.batch_invariant:
+            if end - start <= DECODE_QUERY_TOKENS or self.batch_invariant:
                 decodes.seqs.extend([b] * (end - start))
                 decodes.tokens.extend(range(start, end))
                 decodes.context_lens.extend(range(seq_len - (end - start) + 1, seq_len + 1))
