@@ -269,9 +269,12 @@ class Scheduler:
         )
         for (i, proposal), length in zip(candidates, lengths, strict=True):
             seq = batch.seqs[i]
+            assert seq.drafts is not None
             if length and self.block_manager.allocate_slots(seq, 1 + length):
                 seq.draft = proposal[:length]
                 batch.num_scheduled_tokens[i] += length
+            else:
+                seq.drafts.idle()
         speculator.step_planned(batch.num_tokens, decode_only)
 
     def _running_loras(self) -> set[int]:
@@ -351,8 +354,7 @@ class Scheduler:
                 accepted = len(tokens) - 1
                 seq.num_computed_tokens += min(num_appended, accepted)
                 assert seq.drafts is not None and self.speculator is not None
-                seq.drafts.record(len(draft), accepted)
-                self.speculator.counts.record(len(draft), accepted)
+                self.speculator.record(seq.drafts, len(draft), accepted)
                 # NOTE: only now that the accepted tokens are the sequence's: the prefix
                 # cache hashes its tokens, never a draft's.
                 self.block_manager.cache_full_blocks(seq)

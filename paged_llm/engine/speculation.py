@@ -23,12 +23,16 @@ GPU step is bound by reading the weights and extra tokens are nearly free, at ba
 step is bound by arithmetic and every draft token costs about as much as a decoded one. The
 rule weighs both per step (`DraftPlanner`): decode steps are timed and fitted as ``fixed +
 per_token x tokens`` (`StepCostModel`); a sequence's ``j``-th draft token is expected to add
-``a ** j`` tokens, ``a`` its recent acceptance per drafted token (`SequenceDrafts`); draft
+``a x c ** (j - 1)`` tokens, ``a`` the sequence's recent acceptance of a draft's first token
+(`SequenceDrafts`) and ``c`` the engine's rate of accepting a draft token after an accepted
+one (drafts tend to be accepted whole or soon rejected: copying goes on); draft
 tokens are taken, the most promising first, while each raises the step's expected tokens per
-second: while ``a ** j > per_token x rate``, the rate being the step's expected tokens over
+second, with a margin: while ``a x c ** (j - 1) > 1.25 x per_token x rate``, the rate being the step's expected tokens over
 its expected seconds so far. Until the fit exists (the first decode steps, or steps of one
 size only), every other step verifies one token of each draft and the others none, which
-gives the fit steps of two sizes.
+gives the fit steps of two sizes. The fit is linear where the cost is concave (the first
+tokens a step adds cost the most): where drafting pays only when whole, the rule stays
+safe and leaves some speed (batch 16 of copy-heavy requests on a CPU, benchmarks.md).
 
 Whatever it decides, the tokens are the same: only the speed changes.
 """
@@ -85,31 +89,38 @@ def num_accepted(drawn: TokenSequence[int], draft: TokenSequence[int]) -> int:
     return accepted
 
 
-# Prior of a sequence's acceptance, as drafted tokens: one accepted, one rejected.
-_PRIOR_ACCEPTED = _PRIOR_REJECTED = 1.0
 # Weight of a sequence's earlier drafts at each new one: its acceptance follows the text.
 _ACCEPTANCE_MEMORY = 0.7
+# Weight of its earlier drafts at each step it proposed a draft the plan did not take: the
+# estimate returns toward the prior, so that a sequence is tried again.
+_IDLE_MEMORY = 0.9
 
 
 class SequenceDrafts:
-    """One sequence's n-gram index and recent acceptance."""
+    """One sequence's n-gram index and how often its drafts' first token is accepted
+    lately."""
 
     __slots__ = ("_accepted", "_rejected", "index")
 
     def __init__(self, config: SpeculativeConfig) -> None:
         assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
         self.index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
-        self._accepted = _PRIOR_ACCEPTED
-        self._rejected = _PRIOR_REJECTED
+        # Decayed counts of first draft tokens accepted and rejected.
+        self._accepted = self._rejected = 0.0
 
     @property
     def acceptance(self) -> float:
-        """Recent share of drafted tokens accepted, given the ones before them were."""
-        return self._accepted / (self._accepted + self._rejected)
+        """The chance its next draft's first token is accepted (prior: one half)."""
+        return (self._accepted + 1.0) / (self._accepted + self._rejected + 2.0)
 
-    def record(self, num_drafted: int, accepted: int) -> None:
-        self._accepted = _ACCEPTANCE_MEMORY * self._accepted + accepted
-        self._rejected = _ACCEPTANCE_MEMORY * self._rejected + (accepted < num_drafted)
+    def record(self, accepted: int) -> None:
+        self._accepted = _ACCEPTANCE_MEMORY * self._accepted + (accepted > 0)
+        self._rejected = _ACCEPTANCE_MEMORY * self._rejected + (accepted == 0)
+
+    def idle(self) -> None:
+        """It proposed a draft that the plan did not take."""
+        self._accepted *= _IDLE_MEMORY
+        self._rejected *= _IDLE_MEMORY
 
 
 # Weight of the earlier steps in the cost fit at each new one: about the last 20 steps count.
@@ -151,6 +162,11 @@ class StepCostModel:
         return max(self._seconds / self._weight - self.per_token * mean_tokens, 0.0)
 
 
+# A draft token is taken where it is expected to add this many times what it costs: the
+# fit is linear where the cost is not quite, and estimates are noisy.
+_MARGIN = 1.25
+
+
 class DraftPlanner:
     """How many of their proposed draft tokens a step's sequences verify (see the module
     docstring)."""
@@ -158,6 +174,18 @@ class DraftPlanner:
     def __init__(self) -> None:
         self.cost = StepCostModel()
         self._num_probes = 0
+        # Draft tokens after an accepted one, and how many of them were accepted
+        # (cumulative, prior one each): the chance that a draft goes on being accepted.
+        self._num_continued = self._num_continuations = 1.0
+
+    @property
+    def continuation(self) -> float:
+        """The chance a draft token is accepted, given the one before it was."""
+        return self._num_continued / (self._num_continuations + 1.0)
+
+    def record(self, num_drafted: int, accepted: int) -> None:
+        self._num_continuations += min(accepted, num_drafted - 1)
+        self._num_continued += max(accepted - 1, 0)
 
     def plan(
         self,
@@ -178,11 +206,12 @@ class DraftPlanner:
             return _within_budget(lengths, budget)
         lengths = [0] * len(proposed)
         expected_tokens, tokens = float(num_sampling), num_tokens
-        # The j-th token of a draft adds acceptance ** j: within a sequence the values fall,
-        # so taking the largest first takes prefixes.
+        # The j-th token of a draft adds acceptance * continuation ** (j - 1): within a
+        # sequence the values fall, so taking the largest first takes prefixes.
+        continuation = self.continuation
         candidates = sorted(
             (
-                (acceptance**position, index)
+                (acceptance * continuation ** (position - 1), index)
                 for index, (acceptance, length) in enumerate(
                     zip(acceptances, proposed, strict=True)
                 )
@@ -192,7 +221,7 @@ class DraftPlanner:
         )
         for value, index in candidates[:budget]:
             rate = expected_tokens / (fixed + per_token * tokens)
-            if value <= per_token * rate:
+            if value <= _MARGIN * per_token * rate:
                 break
             lengths[index] += 1
             expected_tokens += value
@@ -254,6 +283,13 @@ class Speculator:
         return self.planner.plan(
             [d.acceptance for d in drafts], proposed, num_sampling, num_tokens, budget
         )
+
+    def record(self, drafts: SequenceDrafts, num_drafted: int, accepted: int) -> None:
+        """A draft of ``num_drafted`` tokens was verified, ``accepted`` of them accepted."""
+        drafts.record(accepted)
+        self.counts.record(num_drafted, accepted)
+        if self.planner is not None:
+            self.planner.record(num_drafted, accepted)
 
     def step_planned(self, num_tokens: int, decode_only: bool) -> None:
         """The step about to run: ``num_tokens`` tokens, drafts included; ``decode_only``:

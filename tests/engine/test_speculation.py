@@ -62,17 +62,22 @@ def test_a_draft_token_is_accepted_while_it_is_the_token_drawn_at_its_position(
     assert num_accepted(drawn, draft) == accepted
 
 
-def test_a_sequence_s_acceptance_follows_its_recent_drafts() -> None:
+def test_a_sequence_s_acceptance_follows_its_recent_drafts_and_returns_to_the_prior_when_idle() -> (
+    None
+):
     config = SpeculativeConfig(num_speculative_tokens=8)
     rejecting, accepting = SequenceDrafts(config), SequenceDrafts(config)
-    assert rejecting.acceptance == 0.5  # the prior: one accepted, one rejected
+    assert rejecting.acceptance == 0.5  # the prior
     for _ in range(5):
-        rejecting.record(num_drafted=2, accepted=0)
-        accepting.record(num_drafted=8, accepted=8)
-    assert rejecting.acceptance < 0.1 and accepting.acceptance > 0.9
+        rejecting.record(accepted=0)
+        accepting.record(accepted=3)
+    assert rejecting.acceptance < 0.3 and accepting.acceptance > 0.7
+    for _ in range(30):
+        rejecting.idle()
+    assert rejecting.acceptance == pytest.approx(0.5, abs=0.05)
     for _ in range(5):
-        rejecting.record(num_drafted=4, accepted=4)
-    assert rejecting.acceptance > 0.8
+        rejecting.record(accepted=1)
+    assert rejecting.acceptance > 0.7
 
 
 def test_the_step_cost_fit_recovers_a_line_and_keeps_its_slope_through_steps_of_one_size() -> None:
@@ -101,17 +106,22 @@ def test_drafts_are_long_where_steps_are_bound_by_the_weights_and_none_where_by_
 ):
     # Batch 1 of a CPU decode: 33 ms a step, 1 ms a token.
     weight_bound = fitted_planner(fixed=0.033, per_token=0.001)
+    assert weight_bound.continuation == 0.5  # the prior
     assert weight_bound.plan([0.9], [4], num_sampling=1, num_tokens=1, budget=100) == [4]
-    assert weight_bound.plan([0.5], [4], num_sampling=1, num_tokens=1, budget=100) == [4]
+    assert weight_bound.plan([0.5], [4], num_sampling=1, num_tokens=1, budget=100) == [3]
     assert weight_bound.plan([0.05], [4], num_sampling=1, num_tokens=1, budget=100) == [1]
-    # Batch 64: the step is mostly per-token arithmetic.
-    arithmetic_bound = fitted_planner(fixed=0.010, per_token=0.002)
-    assert arithmetic_bound.plan([0.7] * 64, [4] * 64, 64, 64, budget=1000) == [0] * 64
-    # Only drafts that are almost surely accepted pay there.
-    planned = arithmetic_bound.plan([0.99, 0.5], [4, 4], 64, 64, budget=1000)
-    assert planned[0] >= 2 and planned[1] == 0
     # The most promising tokens first, within the budget.
-    assert weight_bound.plan([0.9, 0.6], [4, 4], 2, 2, budget=3) == [3, 0]
+    assert weight_bound.plan([0.9, 0.6], [4, 4], 2, 2, budget=3) == [2, 1]
+    # Batch 64: the step is mostly per-token arithmetic (50 ms + 128 ms); only a first token
+    # that is almost surely accepted pays.
+    arithmetic_bound = fitted_planner(fixed=0.050, per_token=0.002)
+    assert arithmetic_bound.plan([0.7] * 64, [4] * 64, 64, 64, budget=1000) == [0] * 64
+    assert arithmetic_bound.plan([0.99, 0.5], [4, 4], 64, 64, budget=1000) == [1, 0]
+    # Once drafts are seen to be accepted whole, their later tokens pay too.
+    for _ in range(50):
+        arithmetic_bound.record(num_drafted=4, accepted=4)
+    assert arithmetic_bound.continuation > 0.95
+    assert arithmetic_bound.plan([0.99, 0.5], [4, 4], 64, 64, budget=1000) == [4, 0]
 
 
 def test_until_the_fit_exists_every_other_step_drafts_one_token() -> None:
