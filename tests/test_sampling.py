@@ -215,7 +215,14 @@ def test_prompt_logprobs_from_a_start_position_use_the_prefix_cache(
         _check_position(
             output.prompt_logprobs[position], prompt_ids[position], reference[position - 1], 1
         )
-        assert output.prompt_logprobs[position] == pytest.approx(full.prompt_logprobs[position])
+        # NOTE: the cached run computes a query of a few tokens, attended as decodes; the
+        # full run a prefill: equal within float rounding, which may move a deep-tail rank
+        # among 49k near-equal logprobs by one.
+        cached, computed = output.prompt_logprobs[position], full.prompt_logprobs[position]
+        assert cached is not None and computed is not None and cached.keys() == computed.keys()
+        for token, logprob in computed.items():
+            assert abs(cached[token].rank - logprob.rank) <= 1
+            assert cached[token].logprob == pytest.approx(logprob.logprob, abs=1e-5)
 
 
 def test_a_bad_prompt_logprobs_start_names_the_request(llm: LLM) -> None:
