@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     device=args.device,
                     threads=args.threads,
                     max_model_len=workload.max_seq_len,
-                    max_num_seqs=max(batch_size, 1),
+                    max_num_seqs=batch_size,
                 )
                 variants = {
                     "off": options,

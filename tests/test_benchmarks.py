@@ -40,7 +40,7 @@ TINY_QWEN3_CONFIG = {
 }
 
 
-@pytest.mark.parametrize("kind", ["a", "b", "c"])
+@pytest.mark.parametrize("kind", ["a", "b", "c", "copy"])
 def test_workloads_are_seeded_and_within_their_ranges(
     kind: str, tokenizer: transformers.PreTrainedTokenizerBase
 ) -> None:
@@ -56,6 +56,10 @@ def test_workloads_are_seeded_and_within_their_ranges(
         assert all(32 <= n <= 256 for n in lengths)
     elif kind == "b":
         assert all(20 <= n <= 300 for n in lengths)
+        assert len({tuple(r.prompt_token_ids) for r in workload.requests}) == 12
+    elif kind == "copy":
+        # An instruction and a list of 15 records: each prompt its own.
+        assert all(150 <= n <= 400 for n in lengths)
         assert len({tuple(r.prompt_token_ids) for r in workload.requests}) == 12
     else:
         first = workload.requests[0].prompt_token_ids
@@ -671,3 +675,23 @@ def test_weight_update_benchmark_times_the_copy_the_update_and_a_gloo_round(
     for key in ("state_dict_copy_s", "update_weights_s", "gloo_round_s"):
         assert result[key] > 0
     assert result["paged_llm_tok_s"] > 0 and result["transformers_tok_s"] > 0
+
+
+@pytest.mark.slow
+def test_speculative_benchmark_runs_each_cell_three_ways_with_the_same_tokens(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "speculative.json"
+    run_module(
+        "benchmarks.speculative",
+        "--model", str(llama_dir),
+        "--batch-sizes", "1,2",
+        "--workloads", "copy",
+        "--output-len", "8",
+        "--out", str(out),
+    )  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["workload"], row["batch_size"]) for row in rows] == [("copy", 1), ("copy", 2)]
+    for row in rows:
+        assert row["adaptive_identical"] and row["always_identical"]
+        assert row["off_tok_per_s"] > 0 and row["always_draft_tokens"] >= 0
