@@ -349,3 +349,22 @@ def test_bad_settings_are_refused_naming_the_key(
 ) -> None:
     with pytest.raises(ValueError, match=match):
         LLM(llama_dir, max_model_len=MAX_MODEL_LEN, **settings)
+
+
+@pytest.mark.gpu
+def test_on_cuda_speculation_emits_the_tokens_of_a_run_without_it(
+    llama_dir: Path, tokenizer: transformers.PreTrainedTokenizerBase
+) -> None:
+    """The GPU path: Triton attention over multi-token queries, decode graphs for the steps
+    without drafts, the sampler on the device."""
+    prompts = copy_heavy_prompts(tokenizer)
+    seeded = SamplingParams(temperature=0.8, top_k=3, seed=4, max_tokens=24, ignore_eos=True)
+
+    def all_tokens(llm: LLM) -> list[Any]:
+        return [tokens(run(llm, prompts, p)) for p in (GREEDY, GREEDY_FEW, seeded)]
+
+    without, with_speculation, counts = both(
+        llama_dir, all_tokens, device="cuda", dtype="float32", kv_cache_memory_bytes=2**26
+    )
+    assert with_speculation == without
+    assert counts["num_accepted_tokens"] > 0
