@@ -29,8 +29,8 @@ one (drafts tend to be accepted whole or soon rejected: copying goes on); draft
 tokens are taken, the most promising first, while each raises the step's expected tokens per
 second, with a margin: while ``a x c ** (j - 1) > 1.25 x per_token x rate``, the rate being the step's expected tokens over
 its expected seconds so far. Until the fit exists (the first decode steps, or steps of one
-size only), every other step verifies one token of each draft and the others none, which
-gives the fit steps of two sizes. The fit is linear where the cost is concave (the first
+size only), steps verify the drafts whole and one token of each in turn, which gives the fit
+steps of two sizes. The fit is linear where the cost is concave (the first
 tokens a step adds cost the most): where drafting pays only when whole, the rule stays
 safe and leaves some speed (batch 16 of copy-heavy requests on a CPU, benchmarks.md).
 
@@ -200,10 +200,13 @@ class DraftPlanner:
         tokens before drafts, with ``budget`` tokens left."""
         fixed, per_token = self.cost.fixed, self.cost.per_token
         if fixed is None or per_token is None:
-            # Steps of two sizes for the fit: every other one verifies a token of each draft.
+            # Steps of two sizes for the fit: drafts verified whole, then one token of each,
+            # in turn.
             self._num_probes += 1
-            lengths = [min(self._num_probes % 2, length) for length in proposed]
-            return _within_budget(lengths, budget)
+            whole = self._num_probes % 2 == 1
+            return _within_budget(
+                [length if whole else min(1, length) for length in proposed], budget
+            )
         lengths = [0] * len(proposed)
         expected_tokens, tokens = float(num_sampling), num_tokens
         # The j-th token of a draft adds acceptance * continuation ** (j - 1): within a

@@ -124,8 +124,8 @@ def test_drafts_are_long_where_steps_are_bound_by_the_weights_and_none_where_by_
     assert arithmetic_bound.plan([0.99, 0.5], [4, 4], 64, 64, budget=1000) == [4, 0]
 
 
-def test_until_the_fit_exists_every_other_step_drafts_one_token() -> None:
+def test_until_the_fit_exists_steps_verify_drafts_whole_and_one_token_in_turn() -> None:
     planner = DraftPlanner()
-    assert planner.plan([0.9, 0.9, 0.9], [4, 0, 2], 3, 3, budget=1) == [1, 0, 0]
-    assert planner.plan([0.9, 0.9, 0.9], [4, 0, 2], 3, 3, budget=5) == [0, 0, 0]
-    assert planner.plan([0.9, 0.9, 0.9], [4, 0, 2], 3, 3, budget=5) == [1, 0, 1]
+    assert planner.plan([0.1, 0.1, 0.1], [4, 0, 2], 3, 3, budget=5) == [4, 0, 1]
+    assert planner.plan([0.1, 0.1, 0.1], [4, 0, 2], 3, 3, budget=5) == [1, 0, 1]
+    assert planner.plan([0.1, 0.1, 0.1], [4, 0, 2], 3, 3, budget=5) == [4, 0, 1]
