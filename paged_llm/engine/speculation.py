@@ -27,7 +27,7 @@ per_token x tokens`` (`StepCostModel`); a sequence's ``j``-th draft token is exp
 (`SequenceDrafts`) and ``c`` the engine's rate of accepting a draft token after an accepted
 one (drafts tend to be accepted whole or soon rejected: copying goes on); draft
 tokens are taken, the most promising first, while each raises the step's expected tokens per
-second, with a margin: while ``a x c ** (j - 1) > 1.25 x per_token x rate``, the rate being the step's expected tokens over
+second, with a margin: while ``a x c ** (j - 1) > 1.5 x per_token x rate``, the rate being the step's expected tokens over
 its expected seconds so far. Until the fit exists (the first decode steps, or steps of one
 size only), steps verify the drafts whole and one token of each in turn, which gives the fit
 steps of two sizes. The fit is linear where the cost is concave (the first
@@ -164,7 +164,7 @@ class StepCostModel:
 
 # A draft token is taken where it is expected to add this many times what it costs: the
 # fit is linear where the cost is not quite, and estimates are noisy.
-_MARGIN = 1.25
+_MARGIN = 1.5
 
 
 class DraftPlanner:
