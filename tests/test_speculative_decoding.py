@@ -368,3 +368,19 @@ def test_on_cuda_speculation_emits_the_tokens_of_a_run_without_it(
     )
     assert with_speculation == without
     assert counts["num_accepted_tokens"] > 0
+
+
+def test_under_the_adaptive_rule_the_tokens_are_the_same(
+    llama_dir: Path, tokenizer: transformers.PreTrainedTokenizerBase
+) -> None:
+    """The rule (the default) only decides how much to verify: the probes, the fitted cost
+    and each sequence's acceptance change the speed, never the tokens."""
+    adaptive = {key: value for key, value in EAGER_NGRAM.items() if key != "adaptive"}
+    prompts = copy_heavy_prompts(tokenizer) * 4
+    with LLM(llama_dir, max_model_len=MAX_MODEL_LEN) as plain:
+        expected = tokens(run(plain, prompts, GREEDY_FEW))
+    with LLM(llama_dir, max_model_len=MAX_MODEL_LEN, speculative_config=adaptive) as llm:
+        assert llm.engine.scheduler.speculator is not None
+        assert tokens(run(llm, prompts, GREEDY_FEW)) == expected
+        counts = spec_counts(llm)
+    assert counts["num_drafts"] > 0
