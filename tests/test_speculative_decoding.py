@@ -36,6 +36,8 @@ EAGER_NGRAM = {
 # 12 blocks of 16 tokens of the tiny Llama (2 layers, keys and values of 2 heads of 16
 # float32): max_model_len's, room for a few of the 16 sequences below, so some are preempted.
 KV_CACHE_MEMORY_BYTES = 12 * 16 * 2 * 2 * 2 * 16 * 4
+# The tiny models' eos_token_id (tests/conftest.py).
+EOS = 2
 # A few tokens: outputs restricted to them cycle, so drafts are mostly accepted.
 FEW_TOKENS = [1000, 2000, 3000, 4000]
 
@@ -178,6 +180,10 @@ SAMPLING_FEATURES = [
     SamplingParams(**SAMPLED, seed=4, min_tokens=10, logit_bias={1000: 3.0, 2000: 3.0}),
     SamplingParams(**SAMPLED, seed=5, bad_words=["apple"], allowed_token_ids=FEW_TOKENS),
     SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.5, ignore_eos=True),
+    # EOS allowed and not ignored: it ends a run of accepted draft tokens where it falls.
+    SamplingParams(
+        temperature=0.9, top_k=4, max_tokens=20, seed=6, allowed_token_ids=[*FEW_TOKENS, EOS]
+    ),
 ]
 
 
@@ -197,6 +203,9 @@ def test_seeded_samples_with_every_feature_are_those_without_speculation_alone_o
     assert with_speculation == without
     assert alone == [without[i] for i in (0, 7, 16)]
     assert counts["num_accepted_tokens"] > 0
+    # Some request of the EOS case stopped on it before max_tokens.
+    stopped = [t for (t,), p in zip(without, params, strict=True) if p is SAMPLING_FEATURES[-1]]
+    assert any(len(t) < 20 and t[-1] == EOS for t in stopped)
 
 
 def test_unseeded_samples_follow_the_distribution_they_follow_without_speculation(
@@ -310,7 +319,11 @@ def test_structured_outputs_do_not_speculate_and_are_unchanged(llama_dir: Path) 
     prompts = [FEW_TOKENS * 3, FEW_TOKENS * 2]
 
     def texts(llm: LLM) -> list[str]:
-        outputs = run(llm, prompts, [params, free])
+        constrained = run(llm, prompts[:1], params)
+        if llm.engine.scheduler.speculator is not None:
+            # The constrained request alone proposed nothing to verify.
+            assert spec_counts(llm)["num_drafts"] == 0
+        outputs = constrained + run(llm, prompts[1:], free)
         return [o.outputs[0].text for o in outputs] + [str(o.outputs[0].token_ids) for o in outputs]
 
     without, with_speculation, counts = both(llama_dir, texts)

@@ -18,7 +18,7 @@ from paged_llm.engine.output_processor import OutputProcessor
 from paged_llm.engine.request import EngineRequest
 from paged_llm.engine.scheduler import ScheduledBatch, Scheduler
 from paged_llm.engine.sequence import FinishReason, Request, Sequence
-from paged_llm.engine.speculation import SequenceDrafts, Speculator
+from paged_llm.engine.speculation import SequenceDrafter, Speculator
 from paged_llm.engine.stats import EngineStats
 from paged_llm.engine.weight_updates import NamedTensors, apply_weight_update
 from paged_llm.engine.worker import RunnerMethod
@@ -165,7 +165,7 @@ class EngineCore:
                 derive_seed(base_seed, index),
                 index,
                 None if grammar is None else SequenceGrammar(grammar),
-                None if speculative is None else SequenceDrafts(speculative),
+                None if speculative is None else SequenceDrafter(speculative),
             )
             for index in range(params.n)
         ]
@@ -240,10 +240,6 @@ class EngineCore:
         reported finished now (a token that ended it already does not count: a stop string
         it completed earlier in the same step ends it there instead, and the tokens after
         it are dropped, as one token a step would have stopped)."""
-        if seq.finish_reason is FinishReason.STOP:
-            # The last token stopped it (EOS, a stop token, the grammar's end) and is not
-            # part of the text: only the tokens before it may complete a stop string.
-            num_new_tokens -= 1
         found = self.output_processor.find_stop_string(seq, num_new_tokens)
         if found is None:
             return False

@@ -437,9 +437,7 @@ class ModelRunner:
         logits = sampling_logits.float()
         rows = sampling_rows(sampling_seqs)
         # NOTE: a sequence with a grammar never speculates: its row is its only one.
-        bitmask = grammar_bitmask(
-            [row.seq.grammar if row.num_drafted == 0 else None for row in rows]
-        )
+        bitmask = grammar_bitmask([row.seq.grammar for row in rows])
         if bitmask is not None:
             # NOTE: before the sampler, as vLLM's runner does: its logprobs are then those
             # of the distribution the grammar leaves. A -inf logit stays -inf under the
@@ -456,10 +454,16 @@ class ModelRunner:
         if processing is not None:
             processing.add_to(metadata)
         sampled = self.sampler(logits, metadata)
-        self._verify(output, sampled, rows)
+        self._verify(output, sampled, sampling_seqs, rows)
         return output
 
-    def _verify(self, output: StepOutput, sampled: SamplerOutput, rows: list[SamplingRow]) -> None:
+    @staticmethod
+    def _verify(
+        output: StepOutput,
+        sampled: SamplerOutput,
+        sampling_seqs: list[Sequence],
+        rows: list[SamplingRow],
+    ) -> None:
         """Per sampling sequence, the tokens it emits: the token drawn from its row, or
         after a draft the accepted draft tokens and the token drawn after them (see
         engine/speculation.py), with their logprobs; a sequence fails (``no_token_rows``)
@@ -477,13 +481,14 @@ class ModelRunner:
         )
         output.logprobs = None if logprob_rows is None else []
         start = 0
-        for index, seq in enumerate(row.seq for row in rows if row.num_drafted == 0):
+        for index, seq in enumerate(sampling_seqs):
             end = start + 1 + len(seq.draft)
             emitted = 1 + num_accepted(drawn[start:end], seq.draft)
             output.sampled_token_ids.append(drawn[start : start + emitted])
             if not no_token.isdisjoint(range(start, start + emitted)):
                 output.no_token_rows.append(index)
-            if output.logprobs is not None and logprob_rows is not None:
+            if output.logprobs is not None:
+                assert logprob_rows is not None
                 output.logprobs.append(
                     None
                     if seq.sampling_params.logprobs is None

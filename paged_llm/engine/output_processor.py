@@ -46,10 +46,10 @@ class OutputProcessor:
             self._reported.pop(seq.seq_id, None)
 
     def find_stop_string(self, seq: Sequence, num_new_tokens: int) -> tuple[str, int] | None:
-        """Detokenize the sequence's ``num_new_tokens`` newest tokens (the last ones, or all
-        but the last where ``finish_reason`` says it stopped on a token) one at a time; at
-        the first that completes a stop string, return it and how many tokens follow that
-        one (to be dropped).
+        """Detokenize the sequence's ``num_new_tokens`` newest tokens one at a time, but a
+        last one that stopped it (EOS, a stop token, the grammar's end: not part of the
+        text); at the first that completes a stop string, return it and how many tokens
+        follow that one (to be dropped).
 
         Only sequences with stop strings are detokenized as they grow; the others are
         decoded once, when they finish.
@@ -65,9 +65,8 @@ class OutputProcessor:
                 params.spaces_between_special_tokens,
             )
             self._detokenizers[seq.seq_id] = detokenizer
-        # A token that stopped the sequence is last and not detokenized.
         end = seq.num_tokens - (seq.finish_reason is FinishReason.STOP)
-        for position in range(end - num_new_tokens, end):
+        for position in range(seq.num_tokens - num_new_tokens, end):
             delta = detokenizer.update(seq.token_ids[position])
             found = find_stop_string(
                 detokenizer.text, len(delta), params.stop, params.include_stop_str_in_output

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from paged_llm.config import SchedulerConfig
 from paged_llm.engine.block_manager import BlockHash, BlockManager
 from paged_llm.engine.sequence import FinishReason, Request, Sequence, SequenceStatus
-from paged_llm.engine.speculation import Speculator
+from paged_llm.engine.speculation import SequenceDrafter, Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -246,9 +246,11 @@ class Scheduler:
         speculator = self.speculator
         assert speculator is not None
         decode_only = batch.num_tokens == len(batch.sampling_seqs)
-        candidates: list[tuple[int, list[int]]] = []
+        # (row of the batch, its sequence's drafter, the proposed draft)
+        candidates: list[tuple[int, SequenceDrafter, list[int]]] = []
         for i, seq in enumerate(batch.seqs):
-            if seq.drafts is None or not batch.samples[i] or seq.num_output_tokens == 0:
+            drafter = seq.drafter
+            if drafter is None or not batch.samples[i] or seq.num_output_tokens == 0:
                 continue
             room = min(
                 speculator.config.num_speculative_tokens,
@@ -257,24 +259,23 @@ class Scheduler:
             max_tokens = seq.sampling_params.max_tokens
             if max_tokens is not None:
                 room = min(room, max_tokens - seq.num_output_tokens - 1)
-            proposal = seq.drafts.index.propose(seq.token_ids, room) if room > 0 else []
+            proposal = drafter.index.propose(seq.token_ids, room) if room > 0 else []
             if proposal:
-                candidates.append((i, proposal))
+                candidates.append((i, drafter, proposal))
         lengths = speculator.draft_lengths(
-            [drafts for i, _ in candidates if (drafts := batch.seqs[i].drafts) is not None],
-            [len(proposal) for _, proposal in candidates],
+            [drafter.acceptance for _, drafter, _ in candidates],
+            [len(proposal) for _, _, proposal in candidates],
             len(batch.sampling_seqs),
             batch.num_tokens,
             budget,
         )
-        for (i, proposal), length in zip(candidates, lengths, strict=True):
+        for (i, drafter, proposal), length in zip(candidates, lengths, strict=True):
             seq = batch.seqs[i]
-            assert seq.drafts is not None
             if length and self.block_manager.allocate_slots(seq, 1 + length):
                 seq.draft = proposal[:length]
                 batch.num_scheduled_tokens[i] += length
             else:
-                seq.drafts.idle()
+                drafter.idle()
         speculator.step_planned(batch.num_tokens, decode_only)
 
     def _running_loras(self) -> set[int]:
@@ -353,8 +354,8 @@ class Scheduler:
                 seq.draft = []
                 accepted = len(tokens) - 1
                 seq.num_computed_tokens += min(num_appended, accepted)
-                assert seq.drafts is not None and self.speculator is not None
-                self.speculator.record(seq.drafts, len(draft), accepted)
+                assert seq.drafter is not None and self.speculator is not None
+                self.speculator.record(seq.drafter, len(draft), accepted)
                 # NOTE: only now that the accepted tokens are the sequence's: the prefix
                 # cache hashes its tokens, never a draft's.
                 self.block_manager.cache_full_blocks(seq)

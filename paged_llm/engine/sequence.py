@@ -24,7 +24,7 @@ from paged_llm.pooling_params import PoolingParams
 from paged_llm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from paged_llm.engine.speculation import SequenceDrafts
+    from paged_llm.engine.speculation import SequenceDrafter
     from paged_llm.structured_outputs.xgrammar_backend import SequenceGrammar
 
 
@@ -150,7 +150,7 @@ class Sequence:
         "block_hashes",
         "block_table",
         "draft",
-        "drafts",
+        "drafter",
         "finish_reason",
         "grammar",
         "index",
@@ -177,7 +177,7 @@ class Sequence:
         seed: int,
         index: int = 0,
         grammar: SequenceGrammar | None = None,
-        drafts: SequenceDrafts | None = None,
+        drafter: SequenceDrafter | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.request = request
@@ -211,7 +211,7 @@ class Sequence:
         # Speculative decoding: the sequence's n-gram index and acceptance (None: it does
         # not speculate), and the draft tokens the current step verifies after its last
         # token (not in ``token_ids``: they are not its tokens unless accepted).
-        self.drafts = drafts
+        self.drafter = drafter
         self.draft: list[int] = []
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None

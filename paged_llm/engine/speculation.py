@@ -24,7 +24,7 @@ step is bound by arithmetic and every draft token costs about as much as a decod
 rule weighs both per step (`DraftPlanner`): decode steps are timed and fitted as ``fixed +
 per_token x tokens`` (`StepCostModel`); a sequence's ``j``-th draft token is expected to add
 ``a x c ** (j - 1)`` tokens, ``a`` the sequence's recent acceptance of a draft's first token
-(`SequenceDrafts`) and ``c`` the engine's rate of accepting a draft token after an accepted
+(`SequenceDrafter`) and ``c`` the engine's rate of accepting a draft token after an accepted
 one (drafts tend to be accepted whole or soon rejected: copying goes on); draft
 tokens are taken, the most promising first, while each raises the step's expected tokens per
 second, with a margin: while ``a x c ** (j - 1) > 1.5 x per_token x rate``, the rate being the step's expected tokens over
@@ -96,7 +96,7 @@ _ACCEPTANCE_MEMORY = 0.7
 _IDLE_MEMORY = 0.9
 
 
-class SequenceDrafts:
+class SequenceDrafter:
     """One sequence's n-gram index and how often its drafts' first token is accepted
     lately."""
 
@@ -273,7 +273,7 @@ class Speculator:
 
     def draft_lengths(
         self,
-        drafts: list[SequenceDrafts],
+        acceptances: list[float],
         proposed: list[int],
         num_sampling: int,
         num_tokens: int,
@@ -283,13 +283,11 @@ class Speculator:
         budget, without the adaptive rule)."""
         if self.planner is None:
             return _within_budget(proposed, budget)
-        return self.planner.plan(
-            [d.acceptance for d in drafts], proposed, num_sampling, num_tokens, budget
-        )
+        return self.planner.plan(acceptances, proposed, num_sampling, num_tokens, budget)
 
-    def record(self, drafts: SequenceDrafts, num_drafted: int, accepted: int) -> None:
+    def record(self, drafter: SequenceDrafter, num_drafted: int, accepted: int) -> None:
         """A draft of ``num_drafted`` tokens was verified, ``accepted`` of them accepted."""
-        drafts.record(accepted)
+        drafter.record(accepted)
         self.counts.record(num_drafted, accepted)
         if self.planner is not None:
             self.planner.record(num_drafted, accepted)

@@ -11,7 +11,7 @@ import pytest
 from paged_llm.engine.speculation import (
     DraftPlanner,
     NgramIndex,
-    SequenceDrafts,
+    SequenceDrafter,
     StepCostModel,
     num_accepted,
 )
@@ -66,7 +66,7 @@ def test_a_sequence_s_acceptance_follows_its_recent_drafts_and_returns_to_the_pr
     None
 ):
     config = SpeculativeConfig(num_speculative_tokens=8)
-    rejecting, accepting = SequenceDrafts(config), SequenceDrafts(config)
+    rejecting, accepting = SequenceDrafter(config), SequenceDrafter(config)
     assert rejecting.acceptance == 0.5  # the prior
     for _ in range(5):
         rejecting.record(accepted=0)
