@@ -28,7 +28,8 @@ logger = logging.getLogger("paged_llm.csrc_cpu")
 
 _NAME = "paged_llm_cpu"
 _SOURCES = [
-    Path(__file__).with_name(name) for name in ("paged_attention.cpp", "rms_norm.cpp", "rotary.cpp")
+    Path(__file__).with_name(name)
+    for name in ("paged_attention.cpp", "quantized_matmul.cpp", "rms_norm.cpp", "rotary.cpp")
 ]
 # NOTE: -fopenmp makes at::parallel_for run on torch's OpenMP pool (the soname matches the
 # libgomp torch loaded, so the process keeps one pool and torch.set_num_threads applies).
@@ -234,6 +235,49 @@ def rotary_embedding(
     one dtype: transformers' ``x * cos + rotate_half(x) * sin`` with its roundings. Needs
     `load`."""
     torch.ops.paged_llm_cpu.rotary_embedding(query, key, cos, sin)
+
+
+# `packed_quantized_matmul`'s passes, by the ``isa`` it takes.
+QUANTIZED_MATMUL_ISAS = {"generic": 0, "avx2": 1, "avx512_vnni": 2}
+
+
+def quantized_matmul_isas() -> list[str]:
+    """The passes of `packed_quantized_matmul` this build has, fastest first ("generic"
+    always). Needs `load`."""
+    names = {code: name for name, code in QUANTIZED_MATMUL_ISAS.items()}
+    return [names[code] for code in torch.ops.paged_llm_cpu.quantized_matmul_isas()]
+
+
+def packed_quantized_matmul(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor | None,
+    out_features: int,
+    group_size: int,
+    nibbles: bool,
+    isa: str,
+) -> torch.Tensor:
+    """``x̂ @ W.T`` in ``x``'s dtype, ``x`` ``[M, K]`` float32 or bfloat16 with contiguous
+    rows, for ``W[n, k] = scale[n, k // group_size] * code[n, k] + offset[n, ...]`` in the
+    layout quantized_matmul.cpp describes (codes ``[row blocks, bytes]`` uint8, 4-bit pairs
+    if ``nibbles`` else int8; scale and offset ``[row blocks, groups, 16]`` float32), and
+    ``x̂`` the activations rounded to int8 per block of 32 features: ``d = amax / 127``,
+    ``q = round(x * 127 / amax)``, ``x̂ = d * q``. Exact integer sums; float32 rounding of
+    their scaled sums only. ``isa`` is one of `quantized_matmul_isas`. Needs `load`."""
+    out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    torch.ops.paged_llm_cpu.packed_quantized_matmul(
+        x,
+        codes,
+        scale,
+        offset,
+        out_features,
+        group_size,
+        nibbles,
+        QUANTIZED_MATMUL_ISAS[isa],
+        out,
+    )
+    return out
 
 
 def _reason(error: Exception) -> str:

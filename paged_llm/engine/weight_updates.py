@@ -68,6 +68,9 @@ def apply_weight_update(runner: ModelRunner, weights: NamedTensors) -> None:
                     owner.load_weight(owner.bias, target.tensor, target.shard)
                 elif not owner.prepacked:
                     owner.load_weight(_parameter(owner.weight), target.tensor, target.shard)
+            if owner.quant_method is not None and new_weight:
+                # Re-pack what loading unpacked (int8's codes on CPU).
+                owner.quant_method.process_weights_after_loading(owner)
 
 
 def _update_packed(layer: Linear, targets: list[_Target]) -> None:

@@ -16,6 +16,7 @@ from torch import nn
 from paged_llm.distributed.group import TensorParallelGroup
 from paged_llm.layers.lora import LoRAShard, LoRASlots
 from paged_llm.layers.quantization import QuantizedLinearMethod
+from paged_llm.layers.quantization.cpu_matmul import CpuPackedWeight
 from paged_llm.layers.quantization.grouped_weight import GroupQuantizedWeight
 from paged_llm.layers.weights import CheckpointPart, CheckpointTensor
 
@@ -85,8 +86,8 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.register_buffer("onednn_weight", None, persistent=False)
         self.quant_method = quant_method
-        # Group-quantized weights by checkpoint shard, for a `GroupQuantizedLinearMethod`.
-        self.quantized_pieces: dict[int, GroupQuantizedWeight] = {}
+        # Quantized weights by checkpoint shard (see `QuantizableLayer`).
+        self.quantized_pieces: dict[int, GroupQuantizedWeight | CpuPackedWeight] = {}
         if quant_method is not None:
             quant_method.create_weights(self)
 

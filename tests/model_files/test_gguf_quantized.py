@@ -23,6 +23,7 @@ from paged_llm.model_files import resolve_model  # noqa: E402
 from paged_llm.model_files.gguf_quantized import KEPT_QUANTIZED_TYPES, repack  # noqa: E402
 from tests.conftest import hf_greedy  # noqa: E402
 from tests.fake_gpu import FakeGpuPlatform  # noqa: E402
+from tests.layers.quantization.activation_rounding import round_inputs, round_inputs_of  # noqa: E402
 from tests.model_files.test_gguf import load_converted, tiny_model, write_gguf  # noqa: E402
 
 # gguf-py quantizes these itself; for the K-quants it only dequantizes.
@@ -78,7 +79,7 @@ def test_a_layer_multiplies_projections_of_different_types() -> None:
     process_weights_after_loading(layer)
     x = torch.randn(3, 256)
     dequantized = [gguf_dequantized(raw, name) for name, raw in zip(types, blocks, strict=True)]
-    expected = F.linear(x, torch.cat(dequantized))
+    expected = F.linear(round_inputs(x), torch.cat(dequantized))
     with torch.no_grad():
         torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
 
@@ -98,6 +99,18 @@ def quantized_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, s
     return make
 
 
+# The reference's modules that the file stores quantized: their inputs are rounded as the
+# CPU kernels round them.
+QUANTIZED_MATMULS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "lm_head",
+)
 PROMPTS = [[5 + 7 * i + j for j in range(6 + 5 * i)] for i in range(4)]
 
 
@@ -106,7 +119,7 @@ def test_greedy_and_logprobs_match_transformers_on_ggufs_dequantized_weights(
     arch: str, type_name: str, quantized_gguf: Callable[[str, str], Path], cache: Path
 ) -> None:
     path = quantized_gguf(arch, type_name)
-    reference = load_converted(resolve_model(path).path)
+    reference = round_inputs_of(load_converted(resolve_model(path).path), QUANTIZED_MATMULS)
     expected = [hf_greedy(reference, prompt, 12) for prompt in PROMPTS]
     with torch.no_grad():
         reference_logprobs = torch.log_softmax(reference(torch.tensor([PROMPTS[3]])).logits[0], -1)

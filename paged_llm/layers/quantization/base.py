@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import ClassVar, Protocol
 
 import torch
 
+from paged_llm.layers.quantization.cpu_matmul import CpuPackedWeight
 from paged_llm.layers.quantization.grouped_weight import GroupQuantizedWeight
 from paged_llm.layers.weights import CheckpointPart, CheckpointTensor
 
@@ -23,8 +25,9 @@ class QuantizableLayer(Protocol):
     out_features: int
     # The float weight, or whatever the method's `create_weights` put in its place.
     weight: torch.Tensor
-    # Group-quantized weights by checkpoint shard, for a `GroupQuantizedLinearMethod`.
-    quantized_pieces: dict[int, GroupQuantizedWeight]
+    # Quantized weights by checkpoint shard: a `GroupQuantizedLinearMethod`'s, and on CPU
+    # any method's in the kernel's packed layout.
+    quantized_pieces: dict[int, GroupQuantizedWeight | CpuPackedWeight]
 
     @property
     def num_checkpoint_shards(self) -> int | None:
@@ -38,6 +41,31 @@ class QuantizableLayer(Protocol):
     ) -> None: ...
 
     def get_buffer(self, target: str) -> torch.Tensor: ...
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+def keep_piece(
+    layer: QuantizableLayer, shard: int, piece: GroupQuantizedWeight | CpuPackedWeight
+) -> None:
+    """Make ``piece`` the layer's quantized weight for checkpoint shard ``shard``, its
+    tensors buffers of the layer (so that what walks a model's tensors, `weight_memory`,
+    counts them, and a piece it replaces is freed)."""
+    drop_piece(layer, shard)
+    layer.quantized_pieces[shard] = piece
+    for i, tensor in enumerate(piece.tensors):
+        layer.register_buffer(f"quantized_piece{shard}_{i}", tensor, persistent=False)
+
+
+def drop_piece(layer: QuantizableLayer, shard: int) -> None:
+    """Remove the layer's quantized weight for ``shard`` and its buffers, if any."""
+    layer.quantized_pieces.pop(shard, None)
+    prefix = f"quantized_piece{shard}_"
+    for name, _ in list(layer.named_buffers(recurse=False)):
+        if name.startswith(prefix):
+            layer.register_buffer(name, None, persistent=False)
 
 
 class QuantizedLinearMethod(ABC):

@@ -4,17 +4,18 @@ in the matmul."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from paged_llm.layers.kernels import triton_kernels
-from paged_llm.layers.quantization.base import QuantizableLayer, QuantizedLinearMethod
+from paged_llm.layers.quantization import cpu_matmul
+from paged_llm.layers.quantization.base import (
+    QuantizableLayer,
+    QuantizedLinearMethod,
+    keep_piece,
+)
+from paged_llm.layers.quantization.cpu_matmul import CpuPackedWeight
 from paged_llm.layers.quantization.grouped_weight import GroupQuantizedWeight
 from paged_llm.layers.weights import CheckpointPart, CheckpointTensor
-
-# Weight rows one matmul call dequantizes at once: 4096 x SmolLM2's 576 features is 9 MiB
-# of float32; every decoder projection here is smaller, so only an LM head is split.
-DEQUANTIZED_ROWS = 4096
 
 
 class GroupQuantizedTensor(CheckpointTensor):
@@ -37,9 +38,9 @@ class GroupQuantizedLinearMethod(QuantizedLinearMethod):
     """A layer whose checkpoint tensors (one per packed projection) arrive group-quantized,
     each in its own bit width and group size (a GGUF file mixes types in one layer). On
     CUDA each projection multiplies through csrc_triton's group-quantized kernel, which
-    dequantizes in the GEMM's inner loop; elsewhere (and for GPTQ act-order's per-feature
-    groups, which the kernel does not read) a matmul dequantizes a bounded block of rows at
-    a time in torch. An embedding dequantizes the rows it looks up.
+    dequantizes in the GEMM's inner loop (GPTQ act-order's per-feature groups, which it does
+    not read, take torch's dequantization); on CPU through `cpu_matmul`'s W8A8 routes. An
+    embedding dequantizes the rows it looks up.
     """
 
     quantizes_embeddings = True
@@ -63,10 +64,7 @@ class GroupQuantizedLinearMethod(QuantizedLinearMethod):
         """Keep this rank's part of one checkpoint tensor as piece ``shard`` of the layer."""
         part = layer.checkpoint_part(loaded, shard)
         piece = loaded.read_quantized(part.rows, part.cols).to(layer.weight.device)
-        layer.quantized_pieces[shard or 0] = piece
-        # Buffers too, so that what walks a model's tensors (`weight_memory`) counts them.
-        for i, tensor in enumerate(piece.tensors):
-            layer.register_buffer(f"quantized_piece{shard or 0}_{i}", tensor, persistent=False)
+        keep_piece(layer, shard or 0, piece)
 
     def process_weights_after_loading(self, layer: QuantizableLayer) -> None:
         pieces = layer.quantized_pieces
@@ -82,6 +80,11 @@ class GroupQuantizedLinearMethod(QuantizedLinearMethod):
         ordered = sorted(pieces.items())
         pieces.clear()
         pieces.update(ordered)
+        if not self.triton and cpu_matmul.kernel_isa() is not None:
+            for shard, piece in ordered:
+                # NOTE: a tied LM head finds the embedding's pieces packed already.
+                if isinstance(piece, GroupQuantizedWeight) and cpu_matmul.packable(piece):
+                    keep_piece(layer, shard, cpu_matmul.pack(piece))
 
     def apply(
         self, layer: QuantizableLayer, x: torch.Tensor, bias: torch.Tensor | None
@@ -90,27 +93,20 @@ class GroupQuantizedLinearMethod(QuantizedLinearMethod):
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         return out if bias is None else out.add_(bias)
 
-    def _multiply(self, x: torch.Tensor, piece: GroupQuantizedWeight) -> torch.Tensor:
-        if self.triton and piece.group_index is None:
+    def _multiply(
+        self, x: torch.Tensor, piece: GroupQuantizedWeight | CpuPackedWeight
+    ) -> torch.Tensor:
+        if self.triton and isinstance(piece, GroupQuantizedWeight) and piece.group_index is None:
             out: torch.Tensor = triton_kernels().group_quantized_matmul(
                 x, piece.codes, piece.scale, piece.offset, piece.group_size
             )
             return out
-        # Rows of the weight are dequantized `DEQUANTIZED_ROWS` at a time, so an LM head
-        # (49152 rows for SmolLM2) never exists in float whole: 108 MiB per call otherwise.
-        blocks = [
-            F.linear(
-                x,
-                piece.rows(start, min(DEQUANTIZED_ROWS, piece.shape[0] - start)).dequantize(
-                    x.dtype
-                ),
-            )
-            for start in range(0, piece.shape[0], DEQUANTIZED_ROWS)
-        ]
-        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-1)
+        return cpu_matmul.matmul(x, piece)
 
     def embedding(
         self, layer: QuantizableLayer, token_ids: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
         (table,) = layer.quantized_pieces.values()
+        if isinstance(table, CpuPackedWeight):
+            return table.dequantize_rows(token_ids, dtype)
         return table.take(token_ids).dequantize(dtype)

@@ -52,7 +52,7 @@ class GroupQuantizedWeight:
             # NOTE: the shift keeps each code in int8, and moves into the offset exactly
             # (zero and 128 are small integers).
             packed, zero = (codes - 128).to(torch.int8), zero - 128
-        offset = None if not zero.any() else -scale * zero
+        offset = None if not zero.any() else (-scale * zero).contiguous()
         group_size = codes.shape[1] // scale.shape[1]
         index = None if group_index is None else group_index.to(torch.int64)
         return cls(packed.contiguous(), scale.contiguous(), offset, bits, group_size, index)

@@ -8,7 +8,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from paged_llm.layers.kernels import triton_kernels
-from paged_llm.layers.quantization.base import QuantizableLayer, QuantizedLinearMethod
+from paged_llm.layers.quantization import cpu_matmul
+from paged_llm.layers.quantization.base import (
+    QuantizableLayer,
+    QuantizedLinearMethod,
+    drop_piece,
+    keep_piece,
+)
+from paged_llm.layers.quantization.grouped_weight import GroupQuantizedWeight
 from paged_llm.layers.weights import CheckpointPart, CheckpointTensor
 
 # The largest magnitude of each weight dtype's codes: int8 is kept symmetric (-127..127),
@@ -37,12 +44,10 @@ class PerChannelLinearMethod(QuantizedLinearMethod):
     output channel, made at load time from float weights (vLLM's dynamic fp8 for weights,
     per channel).
 
-    Activations stay in the model's dtype. On CUDA the matmul is csrc_triton's
+    On CUDA activations stay in the model's dtype and the matmul is csrc_triton's
     `weight_only_matmul`, which dequantizes in the GEMM's inner loop, for both dtypes. On
-    CPU only int8 runs (the platform refuses fp8 at start-up): torch's
-    ``_weight_int8pack_mm`` (vectorized for bfloat16 activations; for float32 it runs a
-    scalar loop, see docs/quantization.md). An embedding looks up rows of codes and
-    multiplies each by its scale.
+    CPU only int8 runs (the platform refuses fp8 at start-up), through `cpu_matmul`'s W8A8
+    routes. An embedding looks up rows of codes and multiplies each by its scale.
     """
 
     quantizes_embeddings = True
@@ -70,6 +75,8 @@ class PerChannelLinearMethod(QuantizedLinearMethod):
     def load_weight(
         self, layer: QuantizableLayer, loaded: CheckpointTensor, part: CheckpointPart
     ) -> None:
+        if layer.quantized_pieces:
+            self._unpack(layer)
         # Whole checkpoint rows, even where this rank keeps some of their columns: each
         # row's scale is the whole row's, so every rank quantizes as a single rank would.
         quantized, scale = quantize_per_channel(
@@ -81,19 +88,44 @@ class PerChannelLinearMethod(QuantizedLinearMethod):
         layer.weight.data[part.out_rows].copy_(quantized.view(self.storage_dtype))
         layer.get_buffer("weight_scale")[part.out_rows] = scale
 
+    def process_weights_after_loading(self, layer: QuantizableLayer) -> None:
+        # On CPU the codes move into the kernel's packed layout, the dense copy dropped.
+        # NOTE: a tied LM head shares the embedding's weight and pieces: packed once.
+        if self.triton or cpu_matmul.kernel_isa() is None or layer.quantized_pieces:
+            return
+        keep_piece(layer, 0, cpu_matmul.pack(self._group_quantized(layer)))
+        layer.weight.data = layer.weight.data.new_empty(0)
+
+    def _group_quantized(self, layer: QuantizableLayer) -> GroupQuantizedWeight:
+        """The dense codes as a group-quantized weight of one group a row."""
+        codes, scale = self.codes(layer), layer.get_buffer("weight_scale")
+        return GroupQuantizedWeight(codes, scale.float()[:, None], None, 8, codes.shape[1])
+
+    def _unpack(self, layer: QuantizableLayer) -> None:
+        """Bring back the dense codes packing dropped (exact), for new weights to fill."""
+        piece = layer.quantized_pieces[0]
+        assert isinstance(piece, cpu_matmul.CpuPackedWeight)
+        rows = torch.arange(piece.shape[0])
+        layer.weight.data = piece.codes_of(rows).contiguous().view(self.storage_dtype)
+        drop_piece(layer, 0)
+
     def apply(
         self, layer: QuantizableLayer, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        qweight, scale = self.codes(layer), layer.get_buffer("weight_scale")
         if self.triton:
+            qweight, scale = self.codes(layer), layer.get_buffer("weight_scale")
             out: torch.Tensor = triton_kernels().weight_only_matmul(x, qweight, scale)
         else:
-            out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), qweight, scale)
+            weight = layer.quantized_pieces.get(0) or self._group_quantized(layer)
+            out = cpu_matmul.matmul(x, weight)
         return out if bias is None else out.add_(bias)
 
     def embedding(
         self, layer: QuantizableLayer, token_ids: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
+        packed = layer.quantized_pieces.get(0)
+        if isinstance(packed, cpu_matmul.CpuPackedWeight):
+            return packed.dequantize_rows(token_ids, dtype)
         scale = layer.get_buffer("weight_scale")
         codes = F.embedding(token_ids, layer.weight).view(self.weight_dtype)
         return codes.to(dtype) * scale[token_ids, None].to(dtype)

@@ -24,6 +24,7 @@ from benchmarks.compressed_checkpoint import write_compressed_checkpoint
 from paged_llm import LLM, SamplingParams
 from paged_llm.layers.quantization.checkpoint_formats import resolve_quantization
 from tests.conftest import TINY_BASE_CONFIG, hf_greedy
+from tests.layers.quantization.activation_rounding import PROJECTIONS, round_inputs_of
 from tests.models.test_parity import MAX_TOKENS as SCENARIO_MAX_TOKENS
 from tests.models.test_parity import (
     SCENARIO_GROUPS,
@@ -53,11 +54,13 @@ def compress_with_the_library(model_dir: Path, scheme: str, out: Path) -> None:
 
 
 def transformers_reference(model_dir: Path) -> transformers.PreTrainedModel:
-    """transformers' own loading of the checkpoint, decompressed to float weights."""
+    """transformers' own loading of the checkpoint, decompressed to float weights, with
+    the projections' inputs rounded as paged_llm's CPU kernels round them."""
     config = transformers.CompressedTensorsConfig(dequantize=True)
-    return transformers.AutoModelForCausalLM.from_pretrained(
+    model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, quantization_config=config
-    ).eval()
+    )
+    return round_inputs_of(model, PROJECTIONS).eval()
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +127,15 @@ def test_logits_and_greedy_tokens_match_transformers_loading_the_checkpoint(
     # moves these log-probabilities by 0.8-12 (measured, random weights of std 0.5); we
     # may differ from the reference by a ten-thousandth of that (float32 summation order,
     # and code * scale + offset for (code - zero) * scale: measured 0-3e-5).
+    # With the activations rounded to int8 (both sides), a value one float32 ulp apart on
+    # the two sides can round to codes one apart: measured at one position of 47, by
+    # 0.03-0.07 (a twentieth of the weights' rounding). The others stay within the float32
+    # bound.
     rounding = (reference_logprobs(float_model, prompt) - wanted).abs().max().item()
     assert rounding > 0.1, "the scheme's rounding should be visible in the logits"
-    assert (ours - wanted).abs().max().item() < rounding / 10_000
+    differences = (ours - wanted).abs()
+    assert (differences < rounding / 10_000).float().mean().item() > 0.9
+    assert differences.max().item() < rounding / 10
 
 
 @pytest.mark.slow  # two rank processes: about 15 s

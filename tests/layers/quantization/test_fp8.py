@@ -71,7 +71,9 @@ def test_greedy_on_the_gpu_path_matches_transformers_with_fp8_weights(
 ) -> None:
     """On qwen3: a tied embedding and LM head, q/k norms."""
     model_dir = tiny_model_dir("qwen3")
-    reference = dequantized_reference(model_dir, quantize_embeddings, fp8_round_trip)
+    reference = dequantized_reference(
+        model_dir, quantize_embeddings, fp8_round_trip, cpu_activations=False
+    )
     with fp8_llm(model_dir, quantize_embeddings) as llm:
         model = llm.engine.model_runner.model
         assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -87,7 +89,7 @@ def test_update_weights_requantizes_to_fp8(
     model_dir = tiny_model_dir("qwen3")
     new_model = perturbed(model_dir)
     new_model.save_pretrained(tmp_path)
-    reference = dequantized_reference(tmp_path, False, fp8_round_trip)
+    reference = dequantized_reference(tmp_path, False, fp8_round_trip, cpu_activations=False)
     with fp8_llm(model_dir, quantize_embeddings=False) as llm:
         llm.update_weights(new_model.named_parameters())
         assert greedy(llm) == [hf_greedy(reference, p, MAX_TOKENS) for p in PROMPTS]

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from paged_llm import LLM, SamplingParams
 from paged_llm.layers.quantization.checkpoint_formats import resolve_quantization
 from tests.conftest import hf_greedy
+from tests.layers.quantization.activation_rounding import round_inputs_of
 from tests.models.test_parity import _prompts
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -170,7 +171,7 @@ def quantized_checkpoint(
         config["quantization_config"] = quantization_config(method, group_size, act_order)
         (path / "config.json").write_text(json.dumps(config))
         transformers.AutoTokenizer.from_pretrained(source).save_pretrained(path)
-        made[name] = (path, model.eval())
+        made[name] = (path, round_inputs_of(model, _PROJECTIONS).eval())
         return made[name]
 
     return make

@@ -1,9 +1,10 @@
-"""quantization="int8": weight-only int8 with per-output-channel scales.
+"""quantization="int8": int8 weights with per-output-channel scales.
 
 The reference is transformers in float32 with every decoder projection, the embedding and
 the LM head (each row of the vocabulary) replaced by its int8 round trip, computed here
 from the format's definition (scale = the row's absmax / 127, round to nearest, clamp to
-[-127, 127]): greedy tokens must be the same under every kind of batching, on one rank
+[-127, 127]), and the input of each quantized matmul rounded to int8 per block as the CPU
+kernels round it: greedy tokens must be the same under every kind of batching, on one rank
 and on two.
 """
 
@@ -21,6 +22,11 @@ from paged_llm.layers.linear import Linear
 from paged_llm.layers.quantization import get_quantized_linear_method
 from paged_llm.layers.weights import CheckpointTensor
 from tests.conftest import TINY_MODELS, hf_greedy
+from tests.layers.quantization.activation_rounding import (
+    accept_near_ties,
+    round_inputs,
+    round_inputs_of,
+)
 from tests.models.test_parity import (
     MAX_TOKENS,
     SCENARIO_GROUPS,
@@ -31,6 +37,8 @@ from tests.models.test_parity import (
     group_settings,
 )
 
+# Prompts, transformers' greedy tokens for them, and the model that made them.
+Reference = tuple[list[list[int]], list[list[int]], transformers.PreTrainedModel]
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -46,10 +54,12 @@ def dequantized_reference(
     model_dir: Path,
     embeddings: bool = True,
     round_trip: Callable[[torch.Tensor], torch.Tensor] = int8_round_trip,
+    cpu_activations: bool = True,
 ) -> transformers.PreTrainedModel:
     """Transformers with the weights a format stands for (``round_trip``, int8's by
     default): the projections', and with ``embeddings`` the embedding's and LM head's (a
-    tied one round-tripped once)."""
+    tied one round-tripped once); with ``cpu_activations``, their matmuls' inputs rounded
+    as the CPU kernels round them (the CUDA path multiplies activations as they are)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     names = _PROJECTIONS + (("embed_tokens", "lm_head") if embeddings else ())
     weights = {
@@ -60,21 +70,23 @@ def dequantized_reference(
     with torch.no_grad():
         for weight in weights.values():
             weight.copy_(round_trip(weight))
+    if cpu_activations:
+        round_inputs_of(model, _PROJECTIONS + (("lm_head",) if embeddings else ()))
     return model.eval()
 
 
 @pytest.fixture(scope="module")
 def int8_references(
     tiny_model_dir: Callable[[str], Path], tokenizer: transformers.PreTrainedTokenizerBase
-) -> Callable[[str, bool], tuple[list[list[int]], list[list[int]]]]:
-    cache: dict[tuple[str, bool], tuple[list[list[int]], list[list[int]]]] = {}
+) -> Callable[[str, bool], Reference]:
+    cache: dict[tuple[str, bool], Reference] = {}
 
-    def get(name: str, shared_prefix: bool) -> tuple[list[list[int]], list[list[int]]]:
+    def get(name: str, shared_prefix: bool) -> Reference:
         if (name, shared_prefix) not in cache:
             prompts = _shared_prefix_prompts(tokenizer) if shared_prefix else _prompts(tokenizer)
             model = dequantized_reference(tiny_model_dir(name))
             expected = [hf_greedy(model, p, n) for p, n in zip(prompts, MAX_TOKENS, strict=True)]
-            cache[(name, shared_prefix)] = (prompts, expected)
+            cache[(name, shared_prefix)] = (prompts, expected, model)
         return cache[(name, shared_prefix)]
 
     return get
@@ -94,12 +106,14 @@ def test_greedy_matches_transformers_with_dequantized_weights(
     arch: str,
     group: str,
     tiny_model_dir: Callable[[str], Path],
-    int8_references: Callable[[str, bool], tuple[list[list[int]], list[list[int]]]],
+    int8_references: Callable[[str, bool], Reference],
 ) -> None:
     settings, shared_prefix = group_settings(tiny_model_dir(arch), group)
-    prompts, expected = int8_references(arch, shared_prefix)
+    prompts, expected, reference = int8_references(arch, shared_prefix)
     with LLM(tiny_model_dir(arch), quantization="int8", **settings) as llm:
         outputs, metrics = generate_greedy(llm, prompts)
+    actual = [o.outputs[0].token_ids for o in outputs]
+    expected = accept_near_ties(reference, prompts, actual, expected)
     for scenario in SCENARIO_GROUPS[group]:
         check_scenario(scenario, outputs, metrics, expected)
 
@@ -107,14 +121,16 @@ def test_greedy_matches_transformers_with_dequantized_weights(
 @pytest.mark.slow  # two rank processes: 16 s
 def test_two_ranks_quantize_each_row_with_its_whole_row_scale(
     llama_dir: Path,
-    int8_references: Callable[[str, bool], tuple[list[list[int]], list[list[int]]]],
+    int8_references: Callable[[str, bool], Reference],
 ) -> None:
     """The row-parallel projections hold half of each row per rank; a scale from half a
     row would make different int8 weights, and other tokens, than the reference's."""
     settings, _ = group_settings(llama_dir, "default")
-    prompts, expected = int8_references("llama", False)
+    prompts, expected, reference = int8_references("llama", False)
     with LLM(llama_dir, quantization="int8", tensor_parallel_size=2, **settings) as llm:
         outputs, metrics = generate_greedy(llm, prompts)
+    actual = [o.outputs[0].token_ids for o in outputs]
+    expected = accept_near_ties(reference, prompts, actual, expected)
     check_scenario("default", outputs, metrics, expected)
 
 
@@ -161,13 +177,15 @@ def int8_layer(weight: torch.Tensor, bias: torch.Tensor | None, triton: bool) ->
 
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_a_layer_multiplies_by_its_dequantized_weight_on_either_kernel(with_bias: bool) -> None:
-    """torch's int8 op, and the CUDA path's Triton kernel (under the interpreter here),
-    against a float matmul with the round-tripped weight."""
+    """The CPU path (activations rounded to int8) and the CUDA path's Triton kernel (under
+    the interpreter here; activations as they are) against a float matmul with the
+    round-tripped weight."""
     torch.manual_seed(0)
     weight, x = torch.randn(96, 80), torch.randn(5, 80)
     bias = torch.randn(96) if with_bias else None
-    expected = torch.nn.functional.linear(x, int8_round_trip(weight), bias)
     for triton in (False, True):
+        rounded = x if triton else round_inputs(x)
+        expected = torch.nn.functional.linear(rounded, int8_round_trip(weight), bias)
         with torch.no_grad():
             actual = int8_layer(weight, bias, triton)(x)
         torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)

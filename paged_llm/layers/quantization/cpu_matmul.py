@@ -1,0 +1,170 @@
+"""Quantized matmuls on CPU, W8A8: the activations are quantized to int8 per block of
+`ACT_BLOCK` features (``d = amax / 127``, ``q = round(x * 127 / amax)``, llama.cpp's Q8_0
+activations) and multiplied by the weight's integer codes, so every route computes
+``x̂ @ W.T`` for those rounded rows ``x̂ = d * q``, at any batch size.
+
+A group-quantized weight (GGUF, GPTQ, AWQ, compressed-tensors) or a per-channel int8 one is
+repacked once at load time into a `CpuPackedWeight`, 16 output rows by 4 features per
+64-byte vector, which csrc_cpu's ``packed_quantized_matmul`` multiplies with AVX-512 VNNI,
+AVX2 or generic loops, never making a float weight. Where that cannot run (C++ kernels not
+built, GPTQ act-order's per-feature groups) the weight is dequantized in torch and multiplied
+by the same ``x̂``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import csrc_cpu
+from paged_llm.layers.quantization.grouped_weight import GroupQuantizedWeight
+
+# Features that share one activation scale (llama.cpp's Q8_0 block). Measured on
+# SmolLM2-135M-Instruct (`python -m benchmarks.perplexity`): int8 weights with one scale per
+# activation row scored 36.04 (+4.0% on float32's 34.65), with one per 32 features 34.92
+# (+0.8%); see docs/quantization.md.
+ACT_BLOCK = 32
+# Output rows one packed vector holds (an AVX-512 register's 16 int32 lanes).
+ROWS_PER_BLOCK = 16
+# Weight rows the torch route dequantizes at a time (an LM head never whole in float32).
+DEQUANTIZED_ROWS = 4096
+_CODE_MAX = 127.0
+
+
+@functools.cache
+def kernel_isa() -> str | None:
+    """The fastest pass of csrc_cpu's quantized matmul here; None where the C++ kernels
+    could not be built (the torch route runs instead)."""
+    return csrc_cpu.quantized_matmul_isas()[0] if csrc_cpu.load() else None
+
+
+@dataclass(frozen=True)
+class CpuPackedWeight:
+    """A group-quantized weight in csrc_cpu's packed layout (quantized_matmul.cpp): codes
+    ``[row blocks, bytes]`` (16 rows x 8 features of 4-bit pairs, or 16 x 4 int8, per 64
+    bytes), scale and offset ``[row blocks, groups, 16]``; rows padded to a multiple of 16
+    and features to one of 32 with zero codes."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    shape: tuple[int, int]
+    group_size: int
+    nibbles: bool
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.codes, self.scale, self.offset) if t is not None]
+
+    def codes_of(self, row_ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``row_ids``' codes ``[len, K]`` in their natural order (uint8 0-15 for
+        4-bit codes, else int8)."""
+        num_features = self.shape[1]
+        blocks, lanes = row_ids // ROWS_PER_BLOCK, row_ids % ROWS_PER_BLOCK
+        vectors = self.codes.view(self.codes.shape[0], -1, ROWS_PER_BLOCK, 4)
+        picked = vectors[blocks, :, lanes]  # [len, feature blocks, 4]
+        if self.nibbles:
+            halves = torch.stack([picked & 0x0F, picked >> 4], dim=2)  # [len, blocks, 2, 4]
+            return halves.flatten(1)[:, :num_features]
+        return picked.flatten(1)[:, :num_features].view(torch.int8)
+
+    def scale_of(self, row_ids: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+        """Rows ``row_ids`` of a ``[row blocks, groups, 16]`` tensor, as ``[len, groups]``."""
+        return tensor[row_ids // ROWS_PER_BLOCK, :, row_ids % ROWS_PER_BLOCK]
+
+    def dequantize_rows(self, row_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``row_ids`` of the float weight, computed as `GroupQuantizedWeight.dequantize`
+        computes them (the embedding's lookup)."""
+        codes = self.codes_of(row_ids).to(torch.float32)
+        scale = self.scale_of(row_ids, self.scale)
+        grouped = codes.view(codes.shape[0], scale.shape[1], -1)
+        weight = grouped * scale[..., None]
+        if self.offset is not None:
+            weight += self.scale_of(row_ids, self.offset)[..., None]
+        return weight.view(codes.shape[0], -1).to(dtype)
+
+
+def packable(weight: GroupQuantizedWeight) -> bool:
+    """Whether the kernel reads this weight's groups: 16 features (Q6_K), a multiple of
+    32, or whole rows; never GPTQ act-order's per-feature groups."""
+    group_size, num_features = weight.group_size, weight.shape[1]
+    return weight.group_index is None and (
+        group_size == 16 or group_size % ACT_BLOCK == 0 or group_size >= num_features
+    )
+
+
+def pack(weight: GroupQuantizedWeight) -> CpuPackedWeight:
+    """``weight`` in the kernel's layout (needs `packable`)."""
+    num_rows, num_features = weight.shape
+    padded_rows = -num_rows % ROWS_PER_BLOCK
+    padded_features = -num_features % ACT_BLOCK
+    blocks = (num_rows + padded_rows) // ROWS_PER_BLOCK
+    if weight.nibbles:
+        codes = torch.stack([weight.codes & 0x0F, weight.codes >> 4], dim=-1).flatten(1)
+    else:
+        codes = weight.codes.view(torch.uint8)
+    codes = F.pad(codes, (0, padded_features, 0, padded_rows))
+    if weight.nibbles:
+        # [block, lane, feature block of 8, half, 4] -> [block, feature block, lane, 4, half]
+        grouped = codes.view(blocks, ROWS_PER_BLOCK, -1, 2, 4).permute(0, 2, 1, 4, 3)
+        packed = grouped[..., 0] | (grouped[..., 1] << 4)
+    else:
+        packed = codes.view(blocks, ROWS_PER_BLOCK, -1, 4).permute(0, 2, 1, 3)
+
+    def by_block(tensor: torch.Tensor) -> torch.Tensor:
+        padded = F.pad(tensor, (0, 0, 0, padded_rows))
+        return padded.view(blocks, ROWS_PER_BLOCK, -1).transpose(1, 2).contiguous()
+
+    offset = None if weight.offset is None else by_block(weight.offset)
+    return CpuPackedWeight(
+        packed.contiguous().view(blocks, -1),
+        by_block(weight.scale),
+        offset,
+        weight.shape,
+        weight.group_size,
+        weight.nibbles,
+    )
+
+
+def rounded_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x̂ = d * q`` in float32: ``x`` rounded as the kernel rounds it, per block of
+    `ACT_BLOCK` features (the last block may be shorter)."""
+    num_rows, num_features = x.shape
+    padding = -num_features % ACT_BLOCK
+    blocks = F.pad(x.float(), (0, padding)).view(num_rows, -1, ACT_BLOCK)
+    amax = blocks.abs().amax(dim=2, keepdim=True)
+    inverse = torch.where(amax > 0, _CODE_MAX / amax, torch.zeros_like(amax))
+    codes = torch.round(blocks * inverse).clamp_(-_CODE_MAX, _CODE_MAX)
+    return (codes * (amax / _CODE_MAX)).view(num_rows, -1)[:, :num_features]
+
+
+def matmul(x: torch.Tensor, weight: CpuPackedWeight | GroupQuantizedWeight) -> torch.Tensor:
+    """``x̂ @ W.T`` in ``x``'s dtype: through the kernel for a packed weight, else by
+    dequantizing `DEQUANTIZED_ROWS` rows at a time in torch."""
+    if isinstance(weight, CpuPackedWeight):
+        isa = kernel_isa()
+        assert isa is not None, "a weight is packed only where the kernel runs"
+        return csrc_cpu.packed_quantized_matmul(
+            x.contiguous(),
+            weight.codes,
+            weight.scale,
+            weight.offset,
+            weight.shape[0],
+            weight.group_size,
+            weight.nibbles,
+            isa,
+        )
+    rounded = rounded_activations(x)
+    num_rows = weight.shape[0]
+    blocks = [
+        F.linear(
+            rounded,
+            weight.rows(start, min(DEQUANTIZED_ROWS, num_rows - start)).dequantize(torch.float32),
+        )
+        for start in range(0, num_rows, DEQUANTIZED_ROWS)
+    ]
+    out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-1)
+    return out.to(x.dtype)

@@ -1,0 +1,67 @@
+"""References for the CPU's quantized matmuls, which multiply activations rounded to int8
+per block (`cpu_matmul.rounded_activations`): transformers with the same rounding applied to
+the input of each quantized layer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from paged_llm.layers.quantization.cpu_matmul import rounded_activations
+
+# A decoder layer's quantized matmuls, by transformers' module names.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def round_inputs(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[..., K]`` rounded as the CPU kernels round each row."""
+    return rounded_activations(x.reshape(-1, x.shape[-1])).view(x.shape).to(x.dtype)
+
+
+def round_inputs_of(model: torch.nn.Module, names: Iterable[str]) -> torch.nn.Module:
+    """``model`` with the input of every module whose last name is in ``names`` rounded
+    (a forward pre-hook), as paged_llm's CPU path multiplies it."""
+    wanted = set(names)
+
+    def hook(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return (round_inputs(args[0]), *args[1:])
+
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in wanted:
+            module.register_forward_pre_hook(hook)
+    return model
+
+
+# How close (in logits) the reference's two candidates must be where paged_llm's greedy
+# token differs from it. Rounding an activation to int8 is a step function: a float32
+# difference of one ulp in the value rounded (paged_llm's fused kernels against
+# transformers' operators) can move its code by one, a change of 1/127 of its block's
+# largest value, and over a few layers that moves logits by hundredths. Measured on the
+# tiny int8 models: first differences at gaps of 0.03-0.11 logits (logits' spread 4.0),
+# after 7-27 equal tokens; a wrong kernel differs by whole logits from the first token.
+NEAR_TIE_LOGITS = 0.25
+
+
+def accept_near_ties(
+    reference: torch.nn.Module,
+    prompts: list[list[int]],
+    actual: list[list[int]],
+    expected: list[list[int]],
+) -> list[list[int]]:
+    """``expected``, with each sequence that first differs from ``actual`` at a near tie of
+    the reference (its logits for both tokens within `NEAR_TIE_LOGITS`) replaced by
+    ``actual``'s: what follows a flipped tie is another continuation, not comparable. A
+    difference that is no near tie is left, for the caller's equality to fail on."""
+    accepted = []
+    for prompt, got, want in zip(prompts, actual, expected, strict=True):
+        position = next(
+            (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None
+        )
+        if position is not None:
+            with torch.no_grad():
+                logits = reference(torch.tensor([prompt + want[:position]])).logits[0, -1]
+            if abs(logits[want[position]] - logits[got[position]]) < NEAR_TIE_LOGITS:
+                want = got
+        accepted.append(want)
+    return accepted

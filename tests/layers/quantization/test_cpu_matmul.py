@@ -1,0 +1,136 @@
+"""csrc_cpu's quantized matmul over the packed layout against a float64 torch reference,
+on every pass this machine's build has, and the packing's round trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import csrc_cpu
+from paged_llm.layers.quantization import cpu_matmul
+from paged_llm.layers.quantization.grouped_weight import GroupQuantizedWeight
+
+if not csrc_cpu.load():
+    pytest.skip("csrc_cpu's kernels could not be built here", allow_module_level=True)
+
+ISAS = csrc_cpu.quantized_matmul_isas()
+# |kernel - reference| <= BOUND * sum_k |W[n, k]| * |x̂[m, k]|: the integer sums are exact,
+# so only float32 roundings of the partial sums remain (a few per span, K / 16 spans).
+BOUND = 1e-5
+
+
+def reference(x: torch.Tensor, weight: GroupQuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x̂ @ W.T`` in float64, with x̂ rounded per block of 32 as the kernel documents
+    (written out here, not `cpu_matmul.rounded_activations`), and the scale of its
+    rounding error (``|x̂| @ |W|.T``)."""
+    num_rows, num_features = x.shape
+    padded = torch.nn.functional.pad(x.float(), (0, -num_features % 32))
+    blocks = padded.view(num_rows, -1, 32)
+    amax = blocks.abs().amax(dim=2, keepdim=True)
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    codes = torch.round(blocks * inverse).clamp(-127, 127)
+    rounded = (codes * (amax / 127)).view(num_rows, -1)[:, :num_features].double()
+    w = weight.dequantize(torch.float64)
+    return rounded @ w.T, rounded.abs() @ w.abs().T
+
+
+def random_weight(
+    rows: int, features: int, bits: int, group_size: int, offset: bool
+) -> GroupQuantizedWeight:
+    groups = max(1, features // group_size)
+    codes = torch.randint(0, 2**bits, (rows, features))
+    scale = torch.rand(rows, groups) * 0.02
+    zero = (
+        torch.randint(0, 2**bits, (rows, groups)).float() if offset else torch.zeros(rows, groups)
+    )
+    return GroupQuantizedWeight.from_codes(codes, scale, zero, bits)
+
+
+def packed_matmul(x: torch.Tensor, weight: GroupQuantizedWeight, isa: str) -> torch.Tensor:
+    packed = cpu_matmul.pack(weight)
+    return csrc_cpu.packed_quantized_matmul(
+        x,
+        packed.codes,
+        packed.scale,
+        packed.offset,
+        weight.shape[0],
+        weight.group_size,
+        weight.nibbles,
+        isa,
+    )
+
+
+# (bits, group size: 0 for one group a row).
+LAYOUTS = [
+    (4, 32),  # GGUF Q4_0 / Q4_1 / Q4_K
+    (6, 16),  # Q6_K's groups of 16, two to an activation block
+    (8, 32),  # Q8_0
+    (4, 128),  # GPTQ / AWQ group 128
+    (8, 0),  # int8 per channel
+    (4, 64),
+]
+# (rows, out_features, in_features): row counts past a tile (8 on AVX-512, 2 on AVX2),
+# output rows not a multiple of 16, and features not a multiple of 32 (per channel).
+SHAPES = [(1, 7, 256), (5, 97, 384), (13, 33, 768), (3, 5, 96), (20, 40, 96), (9, 17, 72)]
+CASES = [
+    (*layout, *shape)
+    for layout in LAYOUTS
+    for shape in SHAPES
+    if shape[2] % (layout[1] or shape[2]) == 0
+]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("bits", "group_size", "rows", "out_features", "in_features"), CASES)
+def test_kernel_matches_the_reference(
+    isa: str, bits: int, group_size: int, rows: int, out_features: int, in_features: int
+) -> None:
+    group = group_size or in_features
+    torch.manual_seed(rows * 1000 + out_features)
+    weight = random_weight(out_features, in_features, bits, group, offset=bits != 8)
+    x = torch.randn(rows, in_features) * 3
+    out = packed_matmul(x, weight, isa)
+    expected, scale = reference(x, weight)
+    assert ((out.double() - expected).abs() <= BOUND * scale + 1e-30).all()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bfloat16_activations_give_bfloat16_results_of_the_same_sums(isa: str) -> None:
+    torch.manual_seed(0)
+    weight = random_weight(40, 256, 4, 32, offset=True)
+    x = (torch.randn(3, 256) * 2).bfloat16()
+    out = packed_matmul(x, weight, isa)
+    expected, _ = reference(x.float(), weight)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-6)
+
+
+def test_zero_activations_give_zero() -> None:
+    weight = random_weight(9, 64, 4, 32, offset=True)
+    assert (packed_matmul(torch.zeros(2, 64), weight, ISAS[0]) == 0).all()
+
+
+@pytest.mark.parametrize(
+    ("bits", "group_size", "in_features"), [(4, 32, 96), (6, 16, 64), (8, 72, 72)]
+)
+def test_packed_rows_unpack_to_the_same_codes_and_weights(
+    bits: int, group_size: int, in_features: int
+) -> None:
+    weight = random_weight(21, in_features, bits, group_size, offset=bits != 8)
+    packed = cpu_matmul.pack(weight)
+    rows = torch.tensor([20, 0, 17, 5])
+    assert torch.equal(
+        packed.dequantize_rows(rows, torch.float32), weight.dequantize(torch.float32)[rows]
+    )
+
+
+def test_the_torch_route_computes_the_same_product() -> None:
+    """Where the kernel cannot run (act-order groups, no C++ build) torch multiplies the
+    same rounded activations."""
+    torch.manual_seed(2)
+    weight = random_weight(70, 192, 4, 32, offset=True)
+    x = torch.randn(6, 192)
+    expected, scale = reference(x, weight)
+    for route in (weight, cpu_matmul.pack(weight)):
+        out = cpu_matmul.matmul(x, route)
+        assert ((out.double() - expected).abs() <= BOUND * scale + 1e-12).all()
