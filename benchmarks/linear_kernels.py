@@ -4,11 +4,12 @@ behind ``quantization=`` (see docs/quantization.md).
     python -m benchmarks.linear_kernels --threads 2
 
 Each layer is a paged_llm `Linear` loaded the way the engine loads it (float32 packed for
-oneDNN, bfloat16, int8 through torch's ``_weight_int8pack_mm`` with float32 or bfloat16
-activations, and GGUF Q4_1 dequantized in the matmul), plus float32 left to torch's own
-matmul (MKL), the library the oneDNN packing replaces; each timed as the best of
-``--repeats`` calls after a warm-up: the best, not the mean, because the machine may be
-shared.
+oneDNN, bfloat16, int8 and GGUF Q4_1 through csrc_cpu's W8A8 kernel with float32 or
+bfloat16 activations), plus float32 left to torch's own matmul (MKL), the library the
+oneDNN packing replaces, and the kernel's other passes than the one this CPU runs (AVX2,
+generic loops), forced, to say what a CPU without AVX-512 VNNI gets. Each is timed as the
+best of ``--repeats`` calls after a warm-up: the best, not the mean, because the machine
+may be shared.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+import csrc_cpu
 from benchmarks.report import format_table
 from paged_llm.layers.linear import Linear, prepack_for_cpu
 from paged_llm.layers.quantization import get_quantized_linear_method
@@ -49,6 +51,7 @@ def _int8_layer(weight: torch.Tensor, dtype: torch.dtype) -> nn.Module:
     method = get_quantized_linear_method("int8", triton=False)
     layer = Linear(weight.shape[1], weight.shape[0], False, method).to(dtype)
     layer.load_weight(layer.weight, CheckpointTensor("weight", weight), None)
+    method.process_weights_after_loading(layer)
     return layer
 
 
@@ -68,6 +71,34 @@ def _gguf_layer(weight: torch.Tensor, dtype: torch.dtype) -> nn.Module:
     return layer
 
 
+class _ForcedPass(nn.Module):
+    """A quantized layer's packed weight multiplied by one pass of the kernel."""
+
+    def __init__(self, layer: nn.Module, isa: str) -> None:
+        super().__init__()
+        (self.piece,) = layer.quantized_pieces.values()
+        self.isa = isa
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        piece = self.piece
+        return csrc_cpu.packed_quantized_matmul(
+            x,
+            piece.codes,
+            piece.scale,
+            piece.offset,
+            piece.shape[0],
+            piece.group_size,
+            piece.nibbles,
+            self.isa,
+        )
+
+
+def _forced(
+    make: Callable[[torch.Tensor, torch.dtype], nn.Module], isa: str
+) -> Callable[[torch.Tensor, torch.dtype], nn.Module]:
+    return lambda weight, dtype: _ForcedPass(make(weight, dtype), isa)
+
+
 FORMATS: dict[str, tuple[Callable[[torch.Tensor, torch.dtype], nn.Module], torch.dtype]] = {
     "float32 (oneDNN)": (_float_layer, torch.float32),
     "float32 (MKL)": (_mkl_layer, torch.float32),
@@ -76,6 +107,10 @@ FORMATS: dict[str, tuple[Callable[[torch.Tensor, torch.dtype], nn.Module], torch
     "int8, bfloat16 act": (_int8_layer, torch.bfloat16),
     "gguf Q4_1, float32 act": (_gguf_layer, torch.float32),
 }
+if csrc_cpu.load():
+    for _isa in csrc_cpu.quantized_matmul_isas()[1:]:
+        FORMATS[f"int8, {_isa} pass"] = (_forced(_int8_layer, _isa), torch.float32)
+        FORMATS[f"gguf Q4_1, {_isa} pass"] = (_forced(_gguf_layer, _isa), torch.float32)
 
 
 def best_seconds(fn: Callable[[], object], repeats: int) -> float:
