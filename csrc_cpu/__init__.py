@@ -58,8 +58,8 @@ def load() -> bool:
     except Exception as error:  # a build can fail in many ways: compiler, headers, ninja
         warnings.warn(
             f"paged_llm's C++ CPU kernels could not be built ({_reason(error)}); decode attention, "
-            "RMSNorm and rotary run on torch operators instead (slower). Set CXX to a "
-            "working C++17 compiler to use them.",
+            "RMSNorm, rotary and quantized matmuls run on torch operators instead (slower). Set "
+            "CXX to a working C++17 compiler to use them.",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -76,9 +76,9 @@ def _build_and_load() -> bool:
         if not _wait_for_other_builds(lock, build_dir):
             warnings.warn(
                 f"paged_llm's C++ CPU kernels are still being built by another process after "
-                f"{BUILD_WAIT_SECONDS:.0f} s ({build_dir}); decode attention, RMSNorm and rotary "
-                "run on torch operators instead (slower). A later start uses the kernels once "
-                "that build has ended.",
+                f"{BUILD_WAIT_SECONDS:.0f} s ({build_dir}); decode attention, RMSNorm, rotary and "
+                "quantized matmuls run on torch operators instead (slower). A later start uses "
+                "the kernels once that build has ended.",
                 RuntimeWarning,
                 stacklevel=3,
             )
