@@ -94,7 +94,10 @@ class PerChannelLinearMethod(QuantizedLinearMethod):
         if self.triton or cpu_matmul.kernel_isa() is None or layer.quantized_pieces:
             return
         keep_piece(layer, 0, cpu_matmul.pack(self._group_quantized(layer)))
+        # NOTE: `.data`, not new tensors: a tied LM head holds these same tensor objects.
         layer.weight.data = layer.weight.data.new_empty(0)
+        scale = layer.get_buffer("weight_scale")
+        scale.data = scale.data.new_empty(0)
 
     def _group_quantized(self, layer: QuantizableLayer) -> GroupQuantizedWeight:
         """The dense codes as a group-quantized weight of one group a row."""
@@ -102,11 +105,14 @@ class PerChannelLinearMethod(QuantizedLinearMethod):
         return GroupQuantizedWeight(codes, scale.float()[:, None], None, 8, codes.shape[1])
 
     def _unpack(self, layer: QuantizableLayer) -> None:
-        """Bring back the dense codes packing dropped (exact), for new weights to fill."""
+        """Bring back the dense codes and scales packing dropped (exact: the packed scales
+        are float32 copies of them), for new weights to fill."""
         piece = layer.quantized_pieces[0]
         assert isinstance(piece, cpu_matmul.CpuPackedWeight)
         rows = torch.arange(piece.shape[0])
         layer.weight.data = piece.codes_of(rows).contiguous().view(self.storage_dtype)
+        scale = layer.get_buffer("weight_scale")
+        scale.data = piece.scale_of(rows, piece.scale)[:, 0].to(scale.dtype)
         drop_piece(layer, 0)
 
     def apply(
