@@ -133,6 +133,32 @@ def pack(weight: GroupQuantizedWeight) -> CpuPackedWeight:
     )
 
 
+def concatenated(first: CpuPackedWeight, second: CpuPackedWeight) -> CpuPackedWeight | None:
+    """``first``'s rows then ``second``'s as one packed weight, one matmul call (a GGUF
+    file's q, k and v are three tensors); None where their layouts differ or ``first``'s
+    rows do not fill whole blocks."""
+    if not (
+        first.shape[0] % ROWS_PER_BLOCK == 0
+        and first.shape[1] == second.shape[1]
+        and first.group_size == second.group_size
+        and first.nibbles == second.nibbles
+        and first.scale.shape[1] == second.scale.shape[1]
+        and (first.offset is None) == (second.offset is None)
+    ):
+        return None
+    offset = None
+    if first.offset is not None and second.offset is not None:
+        offset = torch.cat([first.offset, second.offset])
+    return CpuPackedWeight(
+        torch.cat([first.codes, second.codes]),
+        torch.cat([first.scale, second.scale]),
+        offset,
+        (first.shape[0] + second.shape[0], first.shape[1]),
+        first.group_size,
+        first.nibbles,
+    )
+
+
 def rounded_activations(x: torch.Tensor) -> torch.Tensor:
     """``x̂ = d * q`` in float32: ``x`` rounded as the kernel rounds it, per block of
     `ACT_BLOCK` features (the last block may be shorter)."""
