@@ -24,8 +24,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.engines import worker_env
-from benchmarks.workloads import WORKLOAD_KINDS, Workload, WorkloadSpec, build_workload
+from benchmarks.engines import generate_greedy, worker_env
+from benchmarks.workloads import (
+    WORKLOAD_KINDS,
+    BenchRequest,
+    Workload,
+    WorkloadSpec,
+    build_workload,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKER = REPO_ROOT / "benchmarks" / "peers" / "llama_cpp_worker.py"
@@ -73,21 +79,17 @@ def _in_subprocess(command: list[str], job: dict, threads: int) -> dict:
 
 def paged_llm_job(job_path: str, result_path: str) -> None:
     """The paged_llm side, run in its own process by `run_paged_llm`."""
-    from paged_llm import LLM, SamplingParams
+    from paged_llm import LLM
 
     job = json.loads(Path(job_path).read_text())
     settings = {"max_num_seqs": job["max_num_seqs"]} if job["max_num_seqs"] else {}
+    requests = [BenchRequest(prompt, max_tokens) for prompt, max_tokens in job["requests"]]
     with LLM(
         job["gguf"], quantization="gguf", max_model_len=job["max_model_len"], **settings
     ) as llm:
-        for prompt, max_tokens in WARMUP:
-            llm.generate(
-                {"prompt_token_ids": prompt}, _greedy(SamplingParams, max_tokens), use_tqdm=False
-            )
-        prompts = [{"prompt_token_ids": prompt} for prompt, _ in job["requests"]]
-        params = [_greedy(SamplingParams, max_tokens) for _, max_tokens in job["requests"]]
+        generate_greedy(llm, [BenchRequest(prompt, n) for prompt, n in WARMUP])
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = generate_greedy(llm, requests)
         seconds = time.perf_counter() - start
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     result = {
@@ -96,10 +98,6 @@ def paged_llm_job(job_path: str, result_path: str) -> None:
         "token_ids": token_ids,
     }
     Path(result_path).write_text(json.dumps(result))
-
-
-def _greedy(params_class: type, max_tokens: int) -> object:
-    return params_class(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -123,8 +123,8 @@ QuantizedActivations quantize_activations(const Problem& p, const T* x, int64_t 
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / Kp), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       int8_t* q = a.q.data() + m * Kp;
-      const float* scales = a.scale.data() + m * (Kp / kActBlock);
-      quantize_row(x + m * x_stride, K, kActBlock, q, a.scale.data() + m * (Kp / kActBlock));
+      float* scales = a.scale.data() + m * (Kp / kActBlock);
+      quantize_row(x + m * x_stride, K, kActBlock, q, scales);
       if (!p.nibbles) {
         for (int64_t s = 0; s < Kp / p.span; ++s) {
           int32_t sum = 0;
@@ -184,17 +184,28 @@ inline int32_t four_bytes(const int8_t* q) {
   return v;
 }
 
+// The activation rows m0 .. m0 + kTile of a vector pass: their codes and block scales.
+template <int kTile>
+struct TileRows {
+  const int8_t* q[kTile];
+  const float* d[kTile];
+
+  TileRows(const Problem& p, const QuantizedActivations& a, int64_t m0) {
+    for (int t = 0; t < kTile; ++t) {
+      q[t] = a.q.data() + (m0 + t) * p.padded_features;
+      d[t] = a.scale.data() + (m0 + t) * (p.padded_features / kActBlock);
+    }
+  }
+};
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 template <bool kNibbles, int kTile>
 void avx512_tile(const Problem& p, const QuantizedActivations& a, const uint8_t* codes,
     const float* scale, const float* offset, int64_t m0, float* result) {
   const int64_t Kp = p.padded_features, S = p.span;
-  const int8_t* q[kTile];
-  const float* d[kTile];
-  for (int t = 0; t < kTile; ++t) {
-    q[t] = a.q.data() + (m0 + t) * Kp;
-    d[t] = a.scale.data() + (m0 + t) * (Kp / kActBlock);
-  }
+  const TileRows<kTile> rows(p, a, m0);
+  const int8_t* const* q = rows.q;
+  const float* const* d = rows.d;
   __m512 acc[kTile];
   for (int t = 0; t < kTile; ++t) acc[t] = _mm512_setzero_ps();
   const __m512i low_mask = _mm512_set1_epi8(0x0F);
@@ -259,12 +270,9 @@ template <bool kNibbles, int kTile>
 void avx2_tile(const Problem& p, const QuantizedActivations& a, const uint8_t* codes,
     const float* scale, const float* offset, int64_t m0, float* result) {
   const int64_t Kp = p.padded_features, S = p.span;
-  const int8_t* q[kTile];
-  const float* d[kTile];
-  for (int t = 0; t < kTile; ++t) {
-    q[t] = a.q.data() + (m0 + t) * Kp;
-    d[t] = a.scale.data() + (m0 + t) * (Kp / kActBlock);
-  }
+  const TileRows<kTile> rows(p, a, m0);
+  const int8_t* const* q = rows.q;
+  const float* const* d = rows.d;
   __m256 acc[kTile][2];
   for (int t = 0; t < kTile; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
   const __m256i low_mask = _mm256_set1_epi8(0x0F);

@@ -23,7 +23,11 @@ from paged_llm.model_files import resolve_model  # noqa: E402
 from paged_llm.model_files.gguf_quantized import KEPT_QUANTIZED_TYPES, repack  # noqa: E402
 from tests.conftest import hf_greedy  # noqa: E402
 from tests.fake_gpu import FakeGpuPlatform  # noqa: E402
-from tests.layers.quantization.activation_rounding import round_inputs, round_inputs_of  # noqa: E402
+from tests.layers.quantization.activation_rounding import (  # noqa: E402
+    PROJECTIONS,
+    round_inputs,
+    round_inputs_of,
+)
 from tests.model_files.test_gguf import load_converted, tiny_model, write_gguf  # noqa: E402
 
 # gguf-py quantizes these itself; for the K-quants it only dequantizes.
@@ -101,16 +105,7 @@ def quantized_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, s
 
 # The reference's modules that the file stores quantized: their inputs are rounded as the
 # CPU kernels round them.
-QUANTIZED_MATMULS = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-    "lm_head",
-)
+QUANTIZED_MATMULS = (*PROJECTIONS, "lm_head")
 PROMPTS = [[5 + 7 * i + j for j in range(6 + 5 * i)] for i in range(4)]
 
 

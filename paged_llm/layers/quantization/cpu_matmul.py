@@ -75,20 +75,19 @@ class CpuPackedWeight:
             return halves.flatten(1)[:, :num_features]
         return picked.flatten(1)[:, :num_features].view(torch.int8)
 
-    def scale_of(self, row_ids: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-        """Rows ``row_ids`` of a ``[row blocks, groups, 16]`` tensor, as ``[len, groups]``."""
+    def row_values(self, row_ids: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+        """Rows ``row_ids`` of a ``[row blocks, groups, 16]`` tensor (the scales or the
+        offsets), as ``[len, groups]``."""
         return tensor[row_ids // ROWS_PER_BLOCK, :, row_ids % ROWS_PER_BLOCK]
 
     def dequantize_rows(self, row_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``row_ids`` of the float weight, computed as `GroupQuantizedWeight.dequantize`
-        computes them (the embedding's lookup)."""
-        codes = self.codes_of(row_ids).to(torch.float32)
-        scale = self.scale_of(row_ids, self.scale)
-        grouped = codes.view(codes.shape[0], scale.shape[1], -1)
-        weight = grouped * scale[..., None]
-        if self.offset is not None:
-            weight += self.scale_of(row_ids, self.offset)[..., None]
-        return weight.view(codes.shape[0], -1).to(dtype)
+        """Rows ``row_ids`` of the float weight (the embedding's lookup), by
+        `GroupQuantizedWeight.dequantize` over their unpacked codes, one a byte."""
+        offset = None if self.offset is None else self.row_values(row_ids, self.offset)
+        scale = self.row_values(row_ids, self.scale)
+        codes = self.codes_of(row_ids)
+        rows = GroupQuantizedWeight(codes, scale, offset, 8, codes.shape[1] // scale.shape[1])
+        return rows.dequantize(dtype)
 
 
 def packable(weight: GroupQuantizedWeight) -> bool:

@@ -112,7 +112,7 @@ class PerChannelLinearMethod(QuantizedLinearMethod):
         rows = torch.arange(piece.shape[0])
         layer.weight.data = piece.codes_of(rows).contiguous().view(self.storage_dtype)
         scale = layer.get_buffer("weight_scale")
-        scale.data = piece.scale_of(rows, piece.scale)[:, 0].to(scale.dtype)
+        scale.data = piece.row_values(rows, piece.scale)[:, 0].to(scale.dtype)
         drop_piece(layer, 0)
 
     def apply(
