@@ -53,14 +53,19 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--window", type=int, default=PERPLEXITY_WINDOW)
-    parser.add_argument("--quantization", default=None)
+    parser.add_argument(
+        "--quantization",
+        default="dequantize",
+        help="LLM(quantization=...); the default is float, the GGUF dequantized exactly "
+        "(none: what LLM loads by default, the GGUF kept quantized)",
+    )
     parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args()
     with LLM(
         args.model,
         dtype=args.dtype,
         max_model_len=1024,
-        quantization=args.quantization,
+        quantization=None if args.quantization == "none" else args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
     ) as llm:
         print(f"perplexity: {perplexity(llm, text_token_ids(llm), args.window):.4f}")

@@ -254,11 +254,6 @@ class EngineConfig:
         kv_cache_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype] or dtype
         platform.check_kv_cache_dtype(kv_cache_dtype, attention_backend)
         platform.check_quantization(args.quantization)
-        if args.quantization == "gguf" and gguf_source(model_dir) is None:
-            raise ValueError(
-                f"LLM argument quantization='gguf' keeps a .gguf file's weights quantized; "
-                f"{model_dir} was not made from one. Pass the .gguf file as the model."
-            )
         seed = secrets.randbits(63) if args.seed is None else args.seed
         runner = _runner(args, hf_config)
         resolved = {
@@ -272,7 +267,7 @@ class EngineConfig:
             "enforce_eager": bool(args.enforce_eager),
             "attention_backend": attention_backend,
             "seed": seed,
-            "quantization": resolve_quantization(args.quantization, hf_config),
+            "quantization": _weight_format(args.quantization, model_dir, hf_config),
             "model_config": _model_config(args, model_dir, hf_config, dtype, seed, scheduler),
             "logits_processors": load_logits_processors(args.logits_processors),
             "lora": _lora_config(args),
@@ -324,6 +319,28 @@ def is_sequence_classifier(hf_config: Any) -> bool:
     and no LM head."""
     architectures = getattr(hf_config, "architectures", None) or []
     return any(name.endswith("ForSequenceClassification") for name in architectures)
+
+
+def _weight_format(requested: str | None, model_dir: Path, hf_config: Any) -> str | None:
+    """The quantization the weights load with: "gguf" for a .gguf file whose directory left
+    its quantized tensors in the file (what `resolve_model` does for None and "gguf"), else
+    what ``requested`` and the checkpoint say (`resolve_quantization`); "gguf" needs a
+    directory converted from a .gguf file."""
+    source = gguf_source(model_dir)
+    if source is not None and source.read_from_gguf:
+        if requested not in (None, "gguf"):
+            raise ValueError(
+                f"{model_dir} holds a .gguf file's float tensors only, and "
+                f"quantization={requested!r} needs all of them as float: resolve the model "
+                "with the same quantization argument."
+            )
+        return "gguf"
+    if requested == "gguf" and source is None:
+        raise ValueError(
+            f"LLM argument quantization='gguf' keeps a .gguf file's weights quantized; "
+            f"{model_dir} was not made from one. Pass the .gguf file as the model."
+        )
+    return resolve_quantization(requested, hf_config)
 
 
 def _runner(args: EngineArgs, hf_config: Any) -> str:

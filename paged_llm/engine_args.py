@@ -237,20 +237,21 @@ class EngineArgs:
     )
     quantization: str | None = honoured(
         None,
-        "The format of the decoder layers' linear weights. `None` keeps the checkpoint's "
-        "weights as stored (float; a .gguf file dequantized exactly to float; a pre-quantized "
-        "checkpoint, whose config.json has a `quantization_config`, quantized). "
-        '`"compressed-tensors"`, `"gptq"` or `"awq"` names that pre-quantized format (any '
-        "other value for such a checkpoint is refused); its embedding and LM head stay "
-        'float. `"int8"` quantizes float weights at load time to int8 with one scale per '
-        'output channel; `"fp8"` (CUDA GPUs of compute capability 8.9 or later only) to '
-        '`float8_e4m3fn` with one scale per output channel; `"gguf"` keeps a .gguf file\'s '
-        "Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights quantized. On CPU quantized matmuls "
-        "round their input to int8 per 32 features (W8A8). With int8, fp8 and gguf the "
-        "embedding and the LM head are quantized too (see `quantize_embeddings`). Any other "
-        "value is a ValueError that lists the choices. See docs/quantization.md.",
+        "The format of the decoder layers' linear weights. `None` keeps the weights as "
+        "stored: float; a .gguf file's quantized (as `\"gguf\"` does, unless a projection's "
+        "type is not one it keeps); a pre-quantized checkpoint (config.json has a "
+        '`quantization_config`) quantized. `"dequantize"` loads a .gguf file exactly as float '
+        '(written once to the cache as float32). `"compressed-tensors"`, `"gptq"` or `"awq"` '
+        "names that pre-quantized format (any other value for such a checkpoint is refused); "
+        'its embedding and LM head stay float. `"int8"` quantizes float weights at load time '
+        'to int8 with one scale per output channel; `"fp8"` (CUDA GPUs of compute capability '
+        '8.9 or later only) to `float8_e4m3fn` with one scale per output channel; `"gguf"` '
+        "keeps a .gguf file's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights quantized. On CPU "
+        "quantized matmuls round their input to int8 per 32 features (W8A8). With int8, fp8 "
+        "and gguf the embedding and the LM head are quantized too (see `quantize_embeddings`). "
+        "Any other value is a ValueError that lists the choices. See docs/quantization.md.",
         cli=CliFlag(aliases=("-q",)),
-        accepts=(None, *QUANTIZATION_METHODS),
+        accepts=(None, "dequantize", *QUANTIZATION_METHODS),
     )
     quantize_embeddings: bool = honoured(
         True,

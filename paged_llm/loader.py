@@ -9,7 +9,7 @@ rank reads about its share of the weights.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -69,12 +69,17 @@ def checkpoint_target(
 
 
 def load_weights(
-    model: nn.Module, model_dir: Path, pre_quantized: PreQuantizedCheckpoint | None = None
+    model: nn.Module,
+    model_dir: Path,
+    pre_quantized: PreQuantizedCheckpoint | None = None,
+    quantized_elsewhere: Collection[GroupQuantizedTensor] = (),
 ) -> None:
     """Copy every checkpoint tensor into ``model``; fail on missing or unexpected weights.
 
     With a ``pre_quantized`` checkpoint, the tensors that hold a projection quantized are
-    gathered per projection, unpacked, and handed to its layer still quantized.
+    gathered per projection, unpacked, and handed to its layer still quantized; so are
+    ``quantized_elsewhere``, the tensors a checkpoint keeps outside ``model_dir`` (a .gguf
+    file's, read from the file).
     """
     packed_modules: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
     params = dict(model.named_parameters())
@@ -119,6 +124,12 @@ def load_weights(
             ),
         )
         loaded.update(checkpoint_target(f"{module}.weight", packed_modules) for module in quantized)
+    load_quantized_weights(model, quantized_elsewhere)
+    loaded.update(
+        checkpoint_target(tensor.name, packed_modules)
+        for tensor in quantized_elsewhere
+        if not (tied and tensor.name == "lm_head.weight")
+    )
     missing = sorted(
         f"{name}" + (f"[shard {s}]" if s is not None else "") for name, s in expected - loaded
     )

@@ -19,8 +19,12 @@ from paged_llm.layers.quantization import QuantizedLinearMethod, get_quantized_l
 from paged_llm.layers.quantization.checkpoint_formats import pre_quantized_checkpoint
 from paged_llm.layers.quantization.grouped import GroupQuantizedTensor
 from paged_llm.layers.weights import weight_memory
-from paged_llm.loader import load_quantized_weights, load_weights
-from paged_llm.model_files.gguf_quantized import gguf_source, quantized_tensors
+from paged_llm.loader import load_weights
+from paged_llm.model_files.gguf_quantized import (
+    gguf_source,
+    kept_tensor_types,
+    quantized_tensors,
+)
 from paged_llm.models import get_model_class
 from paged_llm.models.context import ModelContext
 from paged_llm.models.llama import LlamaForCausalLM
@@ -33,17 +37,23 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalL
     from the checkpoint."""
     platform = config.platform
     method = get_quantized_linear_method(config.quantization, platform.triton_linear)
+    source = gguf_source(config.model_dir) if config.quantization == "gguf" else None
+    # transformers name -> GGML type, of the tensors read quantized from the .gguf file:
+    # those its conversion left there or, from a float conversion, whose float copies
+    # the layers do not read
+    kept_types = {
+        name: type_name
+        for name, type_name in (
+            source.read_from_gguf or kept_tensor_types(source.path, config.quantize_embeddings)
+            if source
+            else {}
+        ).items()
+        if config.pooler is None or not name.startswith("lm_head.")
+    }
     gguf_tensors: list[GroupQuantizedTensor] = []
-    context_has_lm_head = config.pooler is None
-    if config.quantization == "gguf":
-        source = gguf_source(config.model_dir)
-        assert source is not None  # NOTE: EngineConfig.create checked it
-        gguf_tensors = [
-            tensor
-            for tensor in quantized_tensors(source, config.hf_config, config.quantize_embeddings)
-            if context_has_lm_head or not tensor.name.startswith("lm_head.")
-        ]
-    kept_quantized = {tensor.name for tensor in gguf_tensors}
+    if source is not None:
+        gguf_tensors = list(quantized_tensors(source.path, config.hf_config, kept_types))
+    kept_quantized = set(kept_types)
 
     def vocab_method(name: str) -> QuantizedLinearMethod | None:
         """The format of the embedding or LM head (``name``): the decoder's, unless not
@@ -71,9 +81,18 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalL
     model = model.to(dtype=config.dtype).to_empty(device=platform.device)
     model.tie_weights()
     load_weights(
-        model, config.model_dir, pre_quantized_checkpoint(config.quantization, config.hf_config)
+        model,
+        config.model_dir,
+        pre_quantized_checkpoint(config.quantization, config.hf_config),
+        gguf_tensors,
     )
-    load_quantized_weights(model, gguf_tensors)
+    if tp.is_first and source is not None:
+        logger.info(
+            "Kept %s packed from %s: %.1f MiB (quantization='dequantize' loads it as float).",
+            " / ".join(sorted(set(kept_types.values()))),
+            source.path.name,
+            sum(tensor.weight.nbytes for tensor in gguf_tensors) / 2**20,
+        )
     # NOTE: the layers hold copies of their parts; the whole repacked tensors go before the
     # heap is trimmed (prepack_for_cpu), or their pages stay in the process (79 MiB here).
     gguf_tensors.clear()

@@ -44,7 +44,12 @@ class ModelInfo:
     def load(cls, args: EngineArgs) -> ModelInfo:
         """Resolve ``args.model`` (a directory, a .gguf file or a cached hub id) and read it."""
         model = args.model
-        model_dir = resolve_model(model, revision=args.revision).path
+        model_dir = resolve_model(
+            model,
+            revision=args.revision,
+            quantization=args.quantization,
+            quantize_embeddings=args.quantize_embeddings,
+        ).path
         hf_config = _hf_config(model_dir, args)
         tokenizer = None
         if not args.skip_tokenizer_init:

@@ -1,7 +1,7 @@
 """Convert a llama.cpp GGUF file into a Hugging Face-format directory, once, into a cache.
 
-The rest of paged_llm only reads Hugging Face directories (config.json, *.safetensors, tokenizer
-files), so a GGUF file is dequantized and rewritten as one:
+The rest of paged_llm reads Hugging Face directories (config.json, *.safetensors, tokenizer
+files), so a GGUF file is rewritten as one:
 
 - weights: dequantized with `gguf.quants`, renamed from llama.cpp names to transformers names, with
   llama.cpp's rotary row permutation of q and k undone; quantized tensors are stored as float32
@@ -9,6 +9,10 @@ files), so a GGUF file is dequantized and rewritten as one:
 - config.json: transformers' GGUF config reader, plus `architectures`, `head_dim` and rope scaling;
 - tokenizer files and chat template: transformers' GGUF tokenizer, saved with `save_pretrained`;
 - generation_config.json: bos / eos / pad ids from the GGUF metadata.
+
+A conversion may leave tensors out (``left_out``): those `quantization="gguf"` reads from
+the .gguf file itself at every load, still quantized. Its cache entry is then another one,
+and its marker file names them with their GGML types.
 
 `cached_gguf_conversion` converts into a temporary directory next to the cache entry and renames
 it into place, so an entry that exists is always complete.
@@ -35,7 +39,7 @@ import transformers
 from safetensors.torch import save_file
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from paged_llm.model_files.gguf_layout import check_gguf_layout
+from paged_llm.model_files.gguf_layout import GgufLayout, check_gguf_layout
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +97,12 @@ def import_gguf() -> ModuleType:
     return gguf
 
 
+def gguf_layout(gguf_path: Path) -> GgufLayout:
+    """The metadata and tensors of `gguf_path`, checked by `check_gguf_layout` (a
+    ValueError naming the file and the field where a count or tensor lies outside it)."""
+    return check_gguf_layout(import_gguf(), gguf_path)
+
+
 def gguf_reader(gguf_path: Path) -> Any:
     """gguf-py's reader of `gguf_path`, once `check_gguf_layout` has found every count and
     tensor in the file inside it (a ValueError naming the file and the field otherwise)."""
@@ -101,8 +111,9 @@ def gguf_reader(gguf_path: Path) -> Any:
     return gguf.GGUFReader(gguf_path)
 
 
-def gguf_cache_key(gguf_path: Path) -> str:
-    """Name of the cache entry for `gguf_path`: it changes when the file is replaced or edited.
+def gguf_cache_key(gguf_path: Path, left_out: frozenset[str] = frozenset()) -> str:
+    """Name of the cache entry for `gguf_path` converted without the tensors ``left_out``
+    (transformers names): it changes when the file is replaced or edited.
 
     Built from the resolved path, size and modification time (one `stat`, microseconds) rather
     than a content hash, which costs about 0.35 s per 100 MB and grows with the file.
@@ -110,19 +121,24 @@ def gguf_cache_key(gguf_path: Path) -> str:
     resolved = gguf_path.resolve()
     stat = resolved.stat()
     identity = f"{CONVERTER_VERSION}\0{resolved}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    if left_out:
+        identity += "\0" + "\0".join(sorted(left_out))
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    return f"{resolved.stem}-{digest}"
+    return f"{resolved.stem}-{'quantized-' if left_out else ''}{digest}"
 
 
-def cached_gguf_conversion(gguf_path: Path, cache_root: Path) -> Path:
-    """Return the Hugging Face directory converted from `gguf_path`, converting it on first use.
+def cached_gguf_conversion(
+    gguf_path: Path, cache_root: Path, left_out: frozenset[str] = frozenset()
+) -> Path:
+    """Return the Hugging Face directory converted from `gguf_path` without the tensors
+    ``left_out`` (transformers names), converting it on first use.
 
     Entries live under `<cache_root>/gguf/<key>/` (see `gguf_cache_key`). A conversion is written
     into a temporary sibling directory and renamed into place only once complete, so a crash never
     leaves an entry that a later call would trust; temporary directories of dead processes are
     removed on the next conversion.
     """
-    key = gguf_cache_key(gguf_path)
+    key = gguf_cache_key(gguf_path, left_out)
     entries = cache_root / "gguf"
     entry = entries / key
     if (entry / MARKER_FILE).is_file():
@@ -140,21 +156,22 @@ def cached_gguf_conversion(gguf_path: Path, cache_root: Path) -> Path:
 
     temp_prefix = f".tmp-{key}-{socket.gethostname()}-{os.getpid()}-"
     temp_dir = Path(tempfile.mkdtemp(prefix=temp_prefix, dir=entries))
-    logger.info(
-        "Converting %s into %s (once, ~%d s; later loads reuse it)",
-        gguf_path,
-        entry,
-        max(1, round(gguf_path.stat().st_size / _CONVERTED_BYTES_PER_SECOND)),
-    )
+    if left_out:
+        how = "the tensors kept quantized stay in the .gguf file"
+    else:
+        seconds = max(1, round(gguf_path.stat().st_size / _CONVERTED_BYTES_PER_SECOND))
+        how = f"dequantizing its weights to float, ~{seconds} s"
+    logger.info("Converting %s into %s (once; later loads reuse it): %s", gguf_path, entry, how)
     start = time.perf_counter()
     try:
-        convert_gguf(gguf_path, temp_dir)
+        read_from_gguf = convert_gguf(gguf_path, temp_dir, left_out=left_out)
         marker = {
             "converter_version": CONVERTER_VERSION,
             "source": str(gguf_path.resolve()),
             "source_size": gguf_path.stat().st_size,
             "source_mtime_ns": gguf_path.stat().st_mtime_ns,
             "seconds": round(time.perf_counter() - start, 3),
+            "read_from_gguf": read_from_gguf,
         }
         (temp_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
         # mkdtemp creates a private (0700) directory; a cache entry is as readable as a download.
@@ -216,7 +233,8 @@ def convert_gguf(
     out_dir: str | os.PathLike[str],
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-) -> None:
+    left_out: frozenset[str] = frozenset(),
+) -> dict[str, str]:
     """Write a Hugging Face-format copy of a GGUF checkpoint into `out_dir`.
 
     Args:
@@ -225,6 +243,11 @@ def convert_gguf(
         max_shard_bytes: weights above this size are split into `model-0000N-of-0000M.safetensors`
             files plus `model.safetensors.index.json`, which also bounds the memory the
             conversion needs to about one shard.
+        left_out: transformers names of tensors not to write (a load reads them from the
+            file).
+
+    Returns:
+        The tensors left out, by their transformers names, with their GGML types.
 
     Raises:
         ValueError: the architecture, a tensor or the rope scaling is not supported.
@@ -251,6 +274,10 @@ def convert_gguf(
     config = _build_config(gguf_path, reader, architecture, tensors)
     plans = _plan_tensors(architecture, config, tensors)
     _check_against_model_class(gguf_path, config, plans)
+    read_from_gguf = {
+        plan.hf_name: plan.source.tensor_type.name for plan in plans if plan.hf_name in left_out
+    }
+    plans = [plan for plan in plans if plan.hf_name not in left_out]
     needed = sum(plan.nbytes for plan in plans)
     if (free := shutil.disk_usage(out_dir).free) < needed:
         raise OSError(
@@ -266,6 +293,7 @@ def convert_gguf(
     # The GGUF tokenizer has no length limit; the model's context length is the real one.
     tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(out_dir)
+    return read_from_gguf
 
 
 def _metadata(reader: Any, key: str) -> Any:

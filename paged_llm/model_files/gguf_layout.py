@@ -6,7 +6,9 @@ and a truncated file a numpy error far from its cause. `check_gguf_layout` walks
 header with each count times its element size checked against the bytes left, and each
 tensor's data against the end of the file, so a truncated or corrupt file is a ValueError
 that names the file and the field. It reads the header only: SmolLM2's (2 MB, most of it
-the vocabulary) in 0.04 s, where the reader then takes seconds.
+the vocabulary) in 0.04 s, where the reader then takes seconds. What it finds (the scalar
+metadata, and each tensor's name, shape, type and bytes) is a `GgufLayout`, enough for a
+load that reads the tensors kept quantized straight from the file.
 
 The layout (llama.cpp's docs/gguf.md): magic, version, tensor count, metadata count; each
 metadata key (name, value type, value); each tensor's info (name, dimensions, GGML type,
@@ -18,8 +20,10 @@ from __future__ import annotations
 import math
 import mmap
 import struct
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
+from typing import Any, Literal
 
 import numpy as np
 
@@ -35,6 +39,27 @@ _MAX_DIMS = 4
 _DEFAULT_ALIGNMENT = 32
 
 
+@dataclass(frozen=True, slots=True)
+class GgufTensorInfo:
+    """One tensor of a GGUF file: its llama.cpp name, its shape in torch's order (rows
+    first), its GGML type, and where its bytes lie in the file."""
+
+    name: str
+    shape: tuple[int, ...]
+    type_name: str
+    start: int
+    num_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class GgufLayout:
+    """A checked GGUF file's scalar and string metadata (arrays left out: the vocabulary
+    is most of a header) and its tensors, in file order."""
+
+    metadata: dict[str, Any] = field(default_factory=dict)
+    tensors: list[GgufTensorInfo] = field(default_factory=list)
+
+
 class _Header:
     """A cursor over a GGUF file's bytes; every read is checked against the file's end."""
 
@@ -43,7 +68,7 @@ class _Header:
         self.data = data
         self.offset = 0
         # "<" little-endian, ">" a file written on a big-endian machine.
-        self.order = "<"
+        self.order: Literal["<", ">"] = "<"
 
     def error(self, field: str, problem: str) -> ValueError:
         return ValueError(
@@ -101,18 +126,18 @@ class _Header:
         self.offset = offset
 
 
-def check_gguf_layout(gguf: ModuleType, path: Path) -> None:
-    """A ValueError naming ``path`` and the field, unless every count, length and tensor
-    extent in the GGUF file fits in the file; ``gguf`` is the gguf-py package."""
+def check_gguf_layout(gguf: ModuleType, path: Path) -> GgufLayout:
+    """The layout of the GGUF file at ``path``; a ValueError naming ``path`` and the field,
+    unless every count, length and tensor extent in it fits in the file. ``gguf`` is the
+    gguf-py package."""
     with path.open("rb") as file:
         if path.stat().st_size == 0:
-            _check(gguf, _Header(path, b""))
-            return
+            return _check(gguf, _Header(path, b""))
         with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            _check(gguf, _Header(path, data))
+            return _check(gguf, _Header(path, data))
 
 
-def _check(gguf: ModuleType, header: _Header) -> None:
+def _check(gguf: ModuleType, header: _Header) -> GgufLayout:
     magic = header.raw(len(_MAGIC), "the magic number")
     if magic != _MAGIC:
         raise ValueError(
@@ -132,26 +157,40 @@ def _check(gguf: ModuleType, header: _Header) -> None:
         key_count * _MIN_KEY_BYTES + tensor_count * _MIN_TENSOR_INFO_BYTES,
         f"the header, as its counts claim ({key_count} metadata keys, {tensor_count} tensors),",
     )
-    alignment = _check_metadata(gguf, header, key_count)
-    extents = _check_tensor_infos(gguf, header, tensor_count)
+    layout = GgufLayout()
+    alignment = _check_metadata(gguf, header, key_count, layout.metadata)
+    tensors = _check_tensor_infos(gguf, header, tensor_count)
     data_start = -(-header.offset // alignment) * alignment
-    for name, offset, num_bytes in extents:
-        if offset % alignment != 0:
+    for tensor in tensors:
+        if tensor.start % alignment != 0:
             raise header.error(
-                f"the data offset of tensor {name!r}",
-                f"is {offset}, not a multiple of the alignment {alignment}",
+                f"the data offset of tensor {tensor.name!r}",
+                f"is {tensor.start}, not a multiple of the alignment {alignment}",
             )
-        end = data_start + offset + num_bytes
+        end = data_start + tensor.start + tensor.num_bytes
         if end > len(header.data):
             raise header.error(
-                f"the data of tensor {name!r}",
-                f"({num_bytes} bytes) ends at byte {end}, past the end of the file at "
+                f"the data of tensor {tensor.name!r}",
+                f"({tensor.num_bytes} bytes) ends at byte {end}, past the end of the file at "
                 f"{len(header.data)}",
             )
+        layout.tensors.append(
+            GgufTensorInfo(
+                tensor.name,
+                tensor.shape,
+                tensor.type_name,
+                data_start + tensor.start,
+                tensor.num_bytes,
+            )
+        )
+    return layout
 
 
-def _check_metadata(gguf: ModuleType, header: _Header, key_count: int) -> int:
-    """Step over the metadata keys; the alignment of the tensors' data."""
+def _check_metadata(
+    gguf: ModuleType, header: _Header, key_count: int, values: dict[str, Any]
+) -> int:
+    """Step over the metadata keys, keeping the scalar and string ones in ``values``; the
+    alignment of the tensors' data."""
     alignment = _DEFAULT_ALIGNMENT
     keys: set[str] = set()
     for index in range(key_count):
@@ -164,12 +203,16 @@ def _check_metadata(gguf: ModuleType, header: _Header, key_count: int) -> int:
             alignment = header.number("I", field)
             if alignment == 0 or alignment & (alignment - 1) != 0:
                 raise header.error(field, f"is {alignment}, not a power of two")
+            values[key] = alignment
         elif value_type == "ARRAY":
             _skip_array(gguf, header, field)
         elif value_type == "STRING":
-            header.string(field)
+            # NOTE: decoded leniently, as gguf-py leaves them bytes: a value is never refused.
+            values[key] = header.string(field).decode("utf-8", "replace")
         else:
-            header.take(_scalar_bytes(gguf, value_type), field)
+            scalar = _scalar_dtype(gguf, value_type).newbyteorder(header.order)
+            start = header.take(scalar.itemsize, field)
+            values[key] = np.frombuffer(header.data, scalar, 1, start)[0].item()
     return alignment
 
 
@@ -191,10 +234,12 @@ def _value_type(gguf: ModuleType, header: _Header, field: str) -> str:
     return name
 
 
-def _scalar_bytes(gguf: ModuleType, type_name: str) -> int:
-    """The size of one value of a scalar GGUF type, as gguf-py's reader reads it."""
-    scalar = gguf.GGUFReader.gguf_scalar_to_np[gguf.GGUFValueType[type_name]]
-    return int(np.dtype(scalar).itemsize)
+def _scalar_dtype(gguf: ModuleType, type_name: str) -> np.dtype[Any]:
+    """A scalar GGUF type, as gguf-py's reader reads it."""
+    scalar: np.dtype[Any] = np.dtype(
+        gguf.GGUFReader.gguf_scalar_to_np[gguf.GGUFValueType[type_name]]
+    )
+    return scalar
 
 
 def _skip_array(gguf: ModuleType, header: _Header, field: str) -> None:
@@ -203,7 +248,7 @@ def _skip_array(gguf: ModuleType, header: _Header, field: str) -> None:
     if item_type == "STRING":
         header.skip_strings(count, field)
     elif item_type != "ARRAY":
-        size = _scalar_bytes(gguf, item_type)
+        size = _scalar_dtype(gguf, item_type).itemsize
         header.take(count * size, f"{field} ({count} {item_type} values of {size} bytes)")
     else:
         # NOTE: llama.cpp refuses arrays of arrays too.
@@ -212,9 +257,10 @@ def _skip_array(gguf: ModuleType, header: _Header, field: str) -> None:
 
 def _check_tensor_infos(
     gguf: ModuleType, header: _Header, tensor_count: int
-) -> list[tuple[str, int, int]]:
-    """Step over the tensors' infos; each tensor's name, data offset and size in bytes."""
-    extents = []
+) -> list[GgufTensorInfo]:
+    """Step over the tensors' infos; each tensor, its ``start`` counted from the start of
+    the data section."""
+    tensors = []
     names: set[str] = set()
     for index in range(tensor_count):
         name = _new_name(header, names, "tensor", index)
@@ -239,5 +285,8 @@ def _check_tensor_infos(
                 f"has rows of {dims[0]} values, not whole {ggml_type.name} blocks of "
                 f"{block_elements}",
             )
-        extents.append((name, offset, math.prod(dims) // block_elements * block_bytes))
-    return extents
+        num_bytes = math.prod(dims) // block_elements * block_bytes
+        # GGML lists dimensions fastest-varying first; torch lists them last.
+        shape = tuple(reversed(dims))
+        tensors.append(GgufTensorInfo(name, shape, ggml_type.name, offset, num_bytes))
+    return tensors

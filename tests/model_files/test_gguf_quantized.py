@@ -2,6 +2,7 @@
 each matmul. The reference is gguf-py's own dequantizer, and transformers running the
 weights it dequantizes (what quantization=None loads)."""
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -130,6 +131,37 @@ def test_greedy_and_logprobs_match_transformers_on_ggufs_dequantized_weights(
         torch.testing.assert_close(
             actual, reference_logprobs[position - 1, token].item(), rtol=1.3e-6, atol=1e-5
         )
+
+
+def test_a_gguf_file_loads_kept_quantized_unless_dequantize_is_asked_for(
+    quantized_gguf: Callable[[str, str], Path], cache: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """None, the default, loads a .gguf file as quantization="gguf" does and says so;
+    "dequantize" loads the float conversion, token for token transformers' on it."""
+    path = quantized_gguf("llama", "Q4_1")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+
+    def greedy(llm: LLM) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    with caplog.at_level(logging.INFO, logger="paged_llm"), LLM(path, max_model_len=64) as llm:
+        assert llm.llm_engine.config.quantization == "gguf"
+        by_default = greedy(llm)
+    assert f"Kept Q4_1 packed from {path.name}: " in caplog.text
+    with LLM(path, quantization="gguf", max_model_len=64) as llm:
+        assert greedy(llm) == by_default
+    reference = load_converted(resolve_model(path, quantization="dequantize").path)
+    with LLM(path, quantization="dequantize", max_model_len=64) as llm:
+        assert llm.llm_engine.config.quantization is None
+        assert greedy(llm) == [hf_greedy(reference, prompt, 12) for prompt in PROMPTS]
+
+
+def test_dequantize_on_a_float_checkpoint_is_its_float_load(
+    llama_dir: Path,
+) -> None:
+    with LLM(llama_dir, quantization="dequantize", max_model_len=64) as llm:
+        assert llm.llm_engine.config.quantization is None
 
 
 def test_the_gpu_path_multiplies_through_the_triton_kernel_with_the_same_tokens(

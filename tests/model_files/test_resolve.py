@@ -51,7 +51,7 @@ def fake_conversion(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """Replaces GGUF conversion (tested in test_gguf.py) by a record of what would be converted."""
     converted: list[Path] = []
 
-    def convert(gguf_path: Path, cache_root: Path) -> Path:
+    def convert(gguf_path: Path, cache_root: Path, left_out: frozenset[str]) -> Path:
         converted.append(gguf_path)
         return make_model_dir(cache_root / "gguf" / "converted")
 

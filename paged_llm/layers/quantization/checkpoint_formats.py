@@ -20,9 +20,10 @@ PRE_QUANTIZED_FORMATS: dict[str, Callable[[dict[str, Any], Any], PreQuantizedChe
 
 
 def resolve_quantization(requested: str | None, hf_config: Any) -> str | None:
-    """The quantization a model runs with: ``requested``, or the ``quant_method`` its
-    config.json's ``quantization_config`` declares (as vLLM: None, or the same name, picks
-    it up). A ValueError for a conflict, an unknown method, or what the format refuses."""
+    """The quantization a model runs with: ``requested`` ("dequantize": None, float), or
+    the ``quant_method`` its config.json's ``quantization_config`` declares (as vLLM: None,
+    or the same name, picks it up). A ValueError for a conflict, an unknown method, or what
+    the format refuses."""
     config = getattr(hf_config, "quantization_config", None)
     if config is None:
         if requested in PRE_QUANTIZED_FORMATS:
@@ -30,7 +31,7 @@ def resolve_quantization(requested: str | None, hf_config: Any) -> str | None:
                 f"LLM argument quantization={requested!r} loads a pre-quantized checkpoint, "
                 "and this model's config.json has no quantization_config."
             )
-        return requested
+        return None if requested == "dequantize" else requested
     config = config if isinstance(config, dict) else config.to_dict()
     method: str | None = config.get("quant_method")
     if method not in PRE_QUANTIZED_FORMATS:

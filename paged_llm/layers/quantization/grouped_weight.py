@@ -65,6 +65,11 @@ class GroupQuantizedWeight:
     def nibbles(self) -> bool:
         return self.bits <= 4
 
+    @property
+    def nbytes(self) -> int:
+        held = (self.codes, self.scale, self.offset, self.group_index)
+        return sum(tensor.nbytes for tensor in held if tensor is not None)
+
     def rows(self, start: int, size: int) -> GroupQuantizedWeight:
         """Rows ``[start, start + size)``; rows past the last are zero (codes, scales and
         offsets), as `CheckpointTensor.read` pads a vocabulary's last shard."""
