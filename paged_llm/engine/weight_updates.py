@@ -119,7 +119,8 @@ def _targets(runner: ModelRunner, weights: NamedTensors) -> list[_Target]:
         raise ValueError(
             f"update_weights cannot re-quantize a pre-quantized checkpoint "
             f"(quantization={quantization!r}): its weights were quantized offline. Load the "
-            "float model (with quantization=None, 'int8' or 'fp8') to update its weights."
+            "float model to update its weights: quantization='dequantize' for a .gguf file "
+            "(kept quantized by default), None, 'int8' or 'fp8' for a float checkpoint."
         )
     # By (parameter, packed slice): a name given twice (a tied model's state_dict names
     # the embedding twice) is copied once, its last tensor winning, as in load_state_dict.
