@@ -132,7 +132,7 @@ def test_seed_none_the_uni_backend_and_a_revision_with_a_local_path_run(
         ({"cpu_offload_gb": 4}, r"cpu_offload_gb=4 is not supported.*never offloaded"),
         (
             {"quantization": "bitsandbytes"},
-            r"quantization='bitsandbytes' is not supported.*Leave it at None or 'int8'",
+            r"quantization='bitsandbytes' is not supported.*Leave it at None or 'dequantize' or 'int8'",
         ),
         (
             {"quantization": "awq"},

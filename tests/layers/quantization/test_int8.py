@@ -200,5 +200,5 @@ def test_int8_layers_keep_a_quarter_of_the_float32_weight_bytes() -> None:
 def test_unknown_quantization_names_the_setting_and_the_choices(
     llama_dir: Path,
 ) -> None:
-    with pytest.raises(ValueError, match=r"quantization='int4'.*None or 'int8'"):
+    with pytest.raises(ValueError, match=r"quantization='int4'.*None or 'dequantize' or 'int8'"):
         LLM(llama_dir, quantization="int4")
