@@ -124,12 +124,10 @@ def load_weights(
             ),
         )
         loaded.update(checkpoint_target(f"{module}.weight", packed_modules) for module in quantized)
-    load_quantized_weights(model, quantized_elsewhere)
-    loaded.update(
-        checkpoint_target(tensor.name, packed_modules)
-        for tensor in quantized_elsewhere
-        if not (tied and tensor.name == "lm_head.weight")
-    )
+    # NOTE: as for a float checkpoint above, a tied model's LM head is its embedding.
+    elsewhere = [t for t in quantized_elsewhere if not (tied and t.name == "lm_head.weight")]
+    load_quantized_weights(model, elsewhere)
+    loaded.update(checkpoint_target(tensor.name, packed_modules) for tensor in elsewhere)
     missing = sorted(
         f"{name}" + (f"[shard {s}]" if s is not None else "") for name, s in expected - loaded
     )

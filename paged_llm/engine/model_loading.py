@@ -41,17 +41,14 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalL
     # transformers name -> GGML type, of the tensors read quantized from the .gguf file:
     # those its conversion left there or, from a float conversion, whose float copies
     # the layers do not read
-    kept_types = {
-        name: type_name
-        for name, type_name in (
-            source.read_from_gguf or kept_tensor_types(source.path, config.quantize_embeddings)
-            if source
-            else {}
-        ).items()
-        if config.pooler is None or not name.startswith("lm_head.")
-    }
+    kept_types: dict[str, str] = {}
     gguf_tensors: list[GroupQuantizedTensor] = []
     if source is not None:
+        kept_types = source.read_from_gguf or kept_tensor_types(
+            source.path, config.quantize_embeddings
+        )
+        if config.pooler is not None:
+            kept_types = {n: t for n, t in kept_types.items() if not n.startswith("lm_head.")}
         gguf_tensors = list(quantized_tensors(source.path, config.hf_config, kept_types))
     kept_quantized = set(kept_types)
 

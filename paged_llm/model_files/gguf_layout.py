@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import mmap
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal
@@ -174,15 +174,7 @@ def _check(gguf: ModuleType, header: _Header) -> GgufLayout:
                 f"({tensor.num_bytes} bytes) ends at byte {end}, past the end of the file at "
                 f"{len(header.data)}",
             )
-        layout.tensors.append(
-            GgufTensorInfo(
-                tensor.name,
-                tensor.shape,
-                tensor.type_name,
-                data_start + tensor.start,
-                tensor.num_bytes,
-            )
-        )
+        layout.tensors.append(replace(tensor, start=data_start + tensor.start))
     return layout
 
 
