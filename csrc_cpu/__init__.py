@@ -238,7 +238,7 @@ def rotary_embedding(
 
 
 # `packed_quantized_matmul`'s passes, by the ``isa`` it takes.
-QUANTIZED_MATMUL_ISAS = {"generic": 0, "avx2": 1, "avx512_vnni": 2}
+QUANTIZED_MATMUL_ISAS = {"generic": 0, "avx2": 1, "avx512_vnni": 2, "amx": 3}
 
 
 def quantized_matmul_isas() -> list[str]:

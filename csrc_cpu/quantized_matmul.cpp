@@ -32,22 +32,34 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "convert.h"
 
 namespace {
 
-enum Isa : int64_t { kGeneric = 0, kAvx2 = 1, kAvx512Vnni = 2 };
+enum Isa : int64_t { kGeneric = 0, kAvx2 = 1, kAvx512Vnni = 2, kAmx = 3 };
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VNNI__)
+#define PAGED_LLM_AMX 1
+#endif
 
 constexpr int64_t kRowsPerBlock = 16;  // output rows of one packed block (a vector's lanes)
 constexpr int64_t kActBlock = 32;  // activation features that share one scale
 constexpr int64_t kBlockBytes = 64;
+constexpr int64_t kAmxRows = 16;  // activation rows of one AMX tile (its row count)
 // Multiply-adds per parallel task: a decode step's matmul by a small projection still
 // splits over the cores, where torch's grain (32768 elements) would keep it on one.
 constexpr int64_t kMacsPerTask = 1 << 16;
@@ -68,12 +80,36 @@ bool compiled(Isa isa) {
 #else
       return false;
 #endif
+    case kAmx:
+#if defined(PAGED_LLM_AMX)
+      return true;
+#else
+      return false;
+#endif
   }
   return false;
 }
 
+// Linux hands a process AMX's tile registers only once it asks (they add 8 KiB to every
+// context switch); without that, the first tile instruction is SIGILL.
+bool amx_permitted() {
+#if defined(PAGED_LLM_AMX) && defined(__linux__)
+  static const bool permitted = [] {
+    constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    constexpr long kTileData = 18;  // XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return permitted;
+#else
+  return false;
+#endif
+}
+
+bool runnable(Isa isa) { return compiled(isa) && (isa != kAmx || amx_permitted()); }
+
 struct Problem {
   int64_t rows;  // M
+  int64_t padded_rows;  // M, rounded up to a tile of activation rows where the pass loads whole tiles
   int64_t out_features;  // N
   int64_t in_features;  // K
   int64_t padded_features;  // K rounded up to kActBlock
@@ -112,32 +148,79 @@ void quantize_row(const T* row, int64_t size, int64_t block, int8_t* q, float* s
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+
+inline __m512 load16(const c10::BFloat16* x) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// `quantize_row` for one whole block of 32 features, with the same codes: the amax and the
+// products are the scalar loop's, and the clamp comes before the rounding (127 is an
+// integer), vminps's operand order sending NaN to 127 as std::min does. Returns the
+// codes' sums of features 0-15 and 16-31.
+template <typename T>
+inline std::pair<int32_t, int32_t> quantize_block(const T* row, int8_t* q, float* scale) {
+  const __m512 x0 = load16(row), x1 = load16(row + 16);
+  // vmaxps returns its second operand where either is NaN: NaN is skipped, as in std::max.
+  const __m512 magnitude = _mm512_max_ps(_mm512_abs_ps(x1), _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps()));
+  const float amax = _mm512_reduce_max_ps(magnitude);
+  const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  *scale = amax / 127.0f;
+  const __m512 high = _mm512_set1_ps(127.0f), low = _mm512_set1_ps(-127.0f);
+  const __m512i c0 = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(x0, inverse), high), low));
+  const __m512i c1 = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(x1, inverse), high), low));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(c0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(c1));
+  return {_mm512_reduce_add_epi32(c0), _mm512_reduce_add_epi32(c1)};
+}
+#endif
+
+// One activation row: its codes and block scales, the codes' sum over each span (8-bit
+// weight codes only) and the sum of d * q over each group (weights with offsets only).
+template <typename T>
+void quantize_activation_row(const Problem& p, const T* x, int8_t* q, float* scales,
+    int32_t* span_sums, float* group_sums) {
+  const int64_t K = p.in_features, Kp = p.padded_features;
+  // The codes' sums of each half block of 16 (a span is one or two of them).
+  std::vector<int32_t> half_sums(Kp / 16, 0);
+  int64_t whole_blocks = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  whole_blocks = K / kActBlock;
+  for (int64_t b = 0; b < whole_blocks; ++b) {
+    std::tie(half_sums[2 * b], half_sums[2 * b + 1]) = quantize_block(x + b * kActBlock, q + b * kActBlock, scales + b);
+  }
+#endif
+  const int64_t done = whole_blocks * kActBlock;
+  quantize_row(x + done, K - done, kActBlock, q + done, scales + whole_blocks);
+  for (int64_t k = done; k < K; ++k) half_sums[k / 16] += q[k];
+  if (span_sums != nullptr) {
+    const int64_t halves = p.span / 16;
+    for (int64_t s = 0; s < Kp / p.span; ++s) {
+      span_sums[s] = halves == 1 ? half_sums[s] : half_sums[2 * s] + half_sums[2 * s + 1];
+    }
+  }
+  if (group_sums != nullptr) {
+    for (int64_t h = 0; h < Kp / 16; ++h) {
+      group_sums[std::min(16 * h / p.group_size, p.num_groups - 1)] += scales[h / 2] * static_cast<float>(half_sums[h]);
+    }
+  }
+}
+
 template <typename T>
 QuantizedActivations quantize_activations(const Problem& p, const T* x, int64_t x_stride) {
-  const int64_t M = p.rows, K = p.in_features, Kp = p.padded_features;
+  const int64_t M = p.rows, Kp = p.padded_features, padded = p.padded_rows;
   QuantizedActivations a;
-  a.q.assign(M * Kp, 0);
-  a.scale.assign(M * (Kp / kActBlock), 0.0f);
-  if (!p.nibbles) a.span_sums.resize(M * (Kp / p.span));
-  if (p.has_offset) a.group_sums.assign(M * p.num_groups, 0.0f);
+  a.q.assign(padded * Kp, 0);
+  a.scale.assign(padded * (Kp / kActBlock), 0.0f);
+  if (!p.nibbles) a.span_sums.resize(padded * (Kp / p.span));
+  if (p.has_offset) a.group_sums.assign(padded * p.num_groups, 0.0f);
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / Kp), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
-      int8_t* q = a.q.data() + m * Kp;
-      float* scales = a.scale.data() + m * (Kp / kActBlock);
-      quantize_row(x + m * x_stride, K, kActBlock, q, scales);
-      if (!p.nibbles) {
-        for (int64_t s = 0; s < Kp / p.span; ++s) {
-          int32_t sum = 0;
-          for (int64_t k = s * p.span; k < (s + 1) * p.span; ++k) sum += q[k];
-          a.span_sums[m * (Kp / p.span) + s] = sum;
-        }
-      }
-      if (p.has_offset) {
-        float* sums = a.group_sums.data() + m * p.num_groups;
-        for (int64_t k = 0; k < K; ++k) {
-          sums[std::min(k / p.group_size, p.num_groups - 1)] += scales[k / kActBlock] * static_cast<float>(q[k]);
-        }
-      }
+      quantize_activation_row(p, x + m * x_stride, a.q.data() + m * Kp, a.scale.data() + m * (Kp / kActBlock),
+          p.nibbles ? nullptr : a.span_sums.data() + m * (Kp / p.span),
+          p.has_offset ? a.group_sums.data() + m * p.num_groups : nullptr);
     }
   });
   return a;
@@ -199,58 +282,210 @@ struct TileRows {
 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-template <bool kNibbles, int kTile>
+// kTile activation rows by kBlocks consecutive row blocks (16 output rows each): a
+// broadcast of 4 activation bytes feeds kBlocks vpdpbusd, so two blocks halve the
+// broadcasts per product, which bound one block's loop (one load per vpdpbusd).
+template <bool kNibbles, int kTile, int kBlocks>
 void avx512_tile(const Problem& p, const QuantizedActivations& a, const uint8_t* codes,
     const float* scale, const float* offset, int64_t m0, float* result) {
-  const int64_t Kp = p.padded_features, S = p.span;
+  const int64_t Kp = p.padded_features, S = p.span, group_stride = p.num_groups * kRowsPerBlock;
   const TileRows<kTile> rows(p, a, m0);
   const int8_t* const* q = rows.q;
   const float* const* d = rows.d;
-  __m512 acc[kTile];
-  for (int t = 0; t < kTile; ++t) acc[t] = _mm512_setzero_ps();
+  __m512 acc[kTile][kBlocks];
+  for (int t = 0; t < kTile; ++t) {
+    for (int j = 0; j < kBlocks; ++j) acc[t][j] = _mm512_setzero_ps();
+  }
   const __m512i low_mask = _mm512_set1_epi8(0x0F);
   const __m512i sign_flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t k0 = 0; k0 < Kp; k0 += S) {
-    __m512i sums[kTile];
-    for (int t = 0; t < kTile; ++t) sums[t] = _mm512_setzero_si512();
+    __m512i sums[kTile][kBlocks];
+    for (int t = 0; t < kTile; ++t) {
+      for (int j = 0; j < kBlocks; ++j) sums[t][j] = _mm512_setzero_si512();
+    }
     if constexpr (kNibbles) {
       for (int64_t k = k0; k < k0 + S; k += 8) {
-        const __m512i w = _mm512_loadu_si512(codes + (k / 8) * kBlockBytes);
-        const __m512i low = _mm512_and_si512(w, low_mask);
-        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(w, 4), low_mask);
+        __m512i low[kBlocks], high[kBlocks];
+        for (int j = 0; j < kBlocks; ++j) {
+          const __m512i w = _mm512_loadu_si512(codes + j * p.block_stride + (k / 8) * kBlockBytes);
+          low[j] = _mm512_and_si512(w, low_mask);
+          high[j] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low_mask);
+        }
         for (int t = 0; t < kTile; ++t) {
-          sums[t] = _mm512_dpbusd_epi32(sums[t], low, _mm512_set1_epi32(four_bytes(q[t] + k)));
-          sums[t] = _mm512_dpbusd_epi32(sums[t], high, _mm512_set1_epi32(four_bytes(q[t] + k + 4)));
+          const __m512i x_low = _mm512_set1_epi32(four_bytes(q[t] + k));
+          const __m512i x_high = _mm512_set1_epi32(four_bytes(q[t] + k + 4));
+          for (int j = 0; j < kBlocks; ++j) {
+            sums[t][j] = _mm512_dpbusd_epi32(sums[t][j], low[j], x_low);
+            sums[t][j] = _mm512_dpbusd_epi32(sums[t][j], high[j], x_high);
+          }
         }
       }
     } else {
       for (int64_t k = k0; k < k0 + S; k += 4) {
-        const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(codes + (k / 4) * kBlockBytes), sign_flip);
+        __m512i w[kBlocks];
+        for (int j = 0; j < kBlocks; ++j) {
+          w[j] = _mm512_xor_si512(_mm512_loadu_si512(codes + j * p.block_stride + (k / 4) * kBlockBytes), sign_flip);
+        }
         for (int t = 0; t < kTile; ++t) {
-          sums[t] = _mm512_dpbusd_epi32(sums[t], w, _mm512_set1_epi32(four_bytes(q[t] + k)));
+          const __m512i x = _mm512_set1_epi32(four_bytes(q[t] + k));
+          for (int j = 0; j < kBlocks; ++j) sums[t][j] = _mm512_dpbusd_epi32(sums[t][j], w[j], x);
         }
       }
       for (int t = 0; t < kTile; ++t) {
-        const int32_t correction = 128 * a.span_sums[(m0 + t) * (Kp / S) + k0 / S];
-        sums[t] = _mm512_sub_epi32(sums[t], _mm512_set1_epi32(correction));
+        const __m512i correction = _mm512_set1_epi32(128 * a.span_sums[(m0 + t) * (Kp / S) + k0 / S]);
+        for (int j = 0; j < kBlocks; ++j) sums[t][j] = _mm512_sub_epi32(sums[t][j], correction);
       }
     }
-    const __m512 s = _mm512_loadu_ps(scale + group_of(p, k0) * kRowsPerBlock);
+    __m512 s[kBlocks];
+    for (int j = 0; j < kBlocks; ++j) s[j] = _mm512_loadu_ps(scale + j * group_stride + group_of(p, k0) * kRowsPerBlock);
     for (int t = 0; t < kTile; ++t) {
-      const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(d[t][k0 / kActBlock]));
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t]), sd, acc[t]);
+      const __m512 dt = _mm512_set1_ps(d[t][k0 / kActBlock]);
+      for (int j = 0; j < kBlocks; ++j) {
+        acc[t][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t][j]), _mm512_mul_ps(s[j], dt), acc[t][j]);
+      }
     }
   }
   if (offset != nullptr) {
     for (int64_t g = 0; g < p.num_groups; ++g) {
-      const __m512 o = _mm512_loadu_ps(offset + g * kRowsPerBlock);
-      for (int t = 0; t < kTile; ++t) {
-        acc[t] = _mm512_fmadd_ps(o, _mm512_set1_ps(a.group_sums[(m0 + t) * p.num_groups + g]), acc[t]);
+      for (int j = 0; j < kBlocks; ++j) {
+        const __m512 o = _mm512_loadu_ps(offset + j * group_stride + g * kRowsPerBlock);
+        for (int t = 0; t < kTile; ++t) {
+          acc[t][j] = _mm512_fmadd_ps(o, _mm512_set1_ps(a.group_sums[(m0 + t) * p.num_groups + g]), acc[t][j]);
+        }
       }
     }
   }
-  for (int t = 0; t < kTile; ++t) _mm512_storeu_ps(result + t * kRowsPerBlock, acc[t]);
+  for (int t = 0; t < kTile; ++t) {
+    for (int j = 0; j < kBlocks; ++j) _mm512_storeu_ps(result + (t * kBlocks + j) * kRowsPerBlock, acc[t][j]);
+  }
 }
+#endif
+
+#if defined(PAGED_LLM_AMX)
+// AMX: one tile instruction multiplies 16 activation rows by a span of codes for 16 output
+// rows (16 x 16 x 32 byte products), where vpdpbusd does 16 x 4. The packed 8-bit layout is
+// already AMX's B operand (row r: 16 outputs x features 4r..4r+3); 4-bit codes are unpacked
+// to it once per row block and thread. Integer sums leave the tiles each span, to be scaled
+// by that span's activation and weight scales in AVX-512 registers, as in the VNNI pass;
+// four spans are in flight at a time (sum tiles 0-3), since one span's chain of tile
+// instructions, store and scaling left the tile unit idle most of the time.
+constexpr int64_t kAmxSpansInFlight = 4;
+
+// The tile shapes for spans of p.span features: sums 0-3, activations 4-5, codes 6-7.
+// Tile configuration is per thread; each task sets it.
+struct AmxScratch {
+  const uint8_t* unpacked_from = nullptr;  // the row block whose 4-bit codes `unpacked` holds
+  std::vector<uint8_t> unpacked;
+};
+thread_local AmxScratch amx_scratch;
+
+void amx_configure(const Problem& p) {
+  struct alignas(64) {
+    uint8_t palette = 1;
+    uint8_t start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t bytes_per_row[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int tile = 0; tile < 4; ++tile) {
+    config.rows[tile] = kAmxRows;
+    config.bytes_per_row[tile] = kRowsPerBlock * sizeof(int32_t);
+  }
+  for (int tile = 4; tile < 6; ++tile) {
+    config.rows[tile] = kAmxRows;
+    config.bytes_per_row[tile] = static_cast<uint16_t>(p.span);
+  }
+  for (int tile = 6; tile < 8; ++tile) {
+    config.rows[tile] = static_cast<uint8_t>(p.span / 4);
+    config.bytes_per_row[tile] = kBlockBytes;
+  }
+  // GCC's _tile_loadconfig tells the compiler it reads 8 bytes, so the stores to the rest
+  // of the configuration would be dropped as dead without this barrier.
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+  amx_scratch.unpacked_from = nullptr;  // the weight's memory may since hold another
+}
+
+void amx_release() { _tile_release(); }
+
+// A row block's 4-bit codes in the 8-bit layout (AMX's B rows), from this thread's scratch.
+const uint8_t* amx_unpacked(const Problem& p, const uint8_t* codes) {
+  AmxScratch& scratch = amx_scratch;
+  if (scratch.unpacked_from != codes) {
+    scratch.unpacked.resize(p.padded_features * kRowsPerBlock);
+    const __m512i low_mask = _mm512_set1_epi8(0x0F);
+    for (int64_t i = 0; i < p.padded_features / 8; ++i) {
+      const __m512i w = _mm512_loadu_si512(codes + i * kBlockBytes);
+      uint8_t* rows = scratch.unpacked.data() + 2 * i * kBlockBytes;
+      _mm512_storeu_si512(rows, _mm512_and_si512(w, low_mask));
+      _mm512_storeu_si512(rows + kBlockBytes, _mm512_and_si512(_mm512_srli_epi16(w, 4), low_mask));
+    }
+    scratch.unpacked_from = codes;
+  }
+  return scratch.unpacked.data();
+}
+
+// Sum tile `sum` = activation rows (tile `act`) times the span's codes (tile `code`) of
+// the span at feature `k`. Tile numbers are pasted into the assembly: literals only.
+#define PAGED_LLM_AMX_SPAN(sum, act, code, k)                                \
+  do {                                                                       \
+    _tile_zero(sum);                                                         \
+    _tile_loadd(act, q + (k), Kp);                                           \
+    _tile_loadd(code, weights + (k) * kBlockBytes / 4, kBlockBytes);         \
+    if constexpr (kNibbles) {                                                \
+      _tile_dpbsud(sum, act, code); /* signed activations, unsigned codes */ \
+    } else {                                                                 \
+      _tile_dpbssd(sum, act, code);                                          \
+    }                                                                        \
+  } while (false)
+
+// Rows m0 .. m0 + 16 (past M: zero codes and scales) by one row block; `tile` is unused.
+template <bool kNibbles>
+void amx_tile(const Problem& p, const QuantizedActivations& a, const uint8_t* codes,
+    const float* scale, const float* offset, int64_t m0, int64_t /*tile*/, float* result) {
+  const int64_t Kp = p.padded_features, S = p.span, blocks_per_row = Kp / kActBlock;
+  alignas(64) int32_t sums[kAmxSpansInFlight][kAmxRows * kRowsPerBlock];
+  const uint8_t* weights = kNibbles ? amx_unpacked(p, codes) : codes;
+  const int8_t* q = a.q.data() + m0 * Kp;
+  const float* d = a.scale.data() + m0 * blocks_per_row;
+  __m512 acc[kAmxRows];
+  for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
+  const auto scale_span = [&](const int32_t* span_sums, int64_t k0) {
+    const __m512 s = _mm512_loadu_ps(scale + group_of(p, k0) * kRowsPerBlock);
+    for (int r = 0; r < kAmxRows; ++r) {
+      const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(d[r * blocks_per_row + k0 / kActBlock]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(span_sums + r * kRowsPerBlock)), sd, acc[r]);
+    }
+  };
+  constexpr int64_t kSumRowBytes = kRowsPerBlock * sizeof(int32_t);
+  int64_t k0 = 0;
+  for (; k0 + kAmxSpansInFlight * S <= Kp; k0 += kAmxSpansInFlight * S) {
+    PAGED_LLM_AMX_SPAN(0, 4, 6, k0);
+    PAGED_LLM_AMX_SPAN(1, 5, 7, k0 + S);
+    PAGED_LLM_AMX_SPAN(2, 4, 6, k0 + 2 * S);
+    PAGED_LLM_AMX_SPAN(3, 5, 7, k0 + 3 * S);
+    _tile_stored(0, sums[0], kSumRowBytes);
+    _tile_stored(1, sums[1], kSumRowBytes);
+    _tile_stored(2, sums[2], kSumRowBytes);
+    _tile_stored(3, sums[3], kSumRowBytes);
+    for (int64_t i = 0; i < kAmxSpansInFlight; ++i) scale_span(sums[i], k0 + i * S);
+  }
+  for (; k0 < Kp; k0 += S) {
+    PAGED_LLM_AMX_SPAN(0, 4, 6, k0);
+    _tile_stored(0, sums[0], kSumRowBytes);
+    scale_span(sums[0], k0);
+  }
+  if (offset != nullptr) {
+    for (int64_t g = 0; g < p.num_groups; ++g) {
+      const __m512 o = _mm512_loadu_ps(offset + g * kRowsPerBlock);
+      for (int r = 0; r < kAmxRows; ++r) {
+        acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(a.group_sums[(m0 + r) * p.num_groups + g]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < kAmxRows; ++r) _mm512_storeu_ps(result + r * kRowsPerBlock, acc[r]);
+}
+#undef PAGED_LLM_AMX_SPAN
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -328,30 +563,32 @@ void avx2_tile(const Problem& p, const QuantizedActivations& a, const uint8_t* c
 using Tile = void (*)(const Problem&, const QuantizedActivations&, const uint8_t* codes,
     const float* scale, const float* offset, int64_t m0, int64_t tile, float* result);
 
-// A pass over up to `kMaxTile` activation rows, dispatched to its fixed-size tiles.
-template <template <bool, int> class Pass, bool kNibbles, int kMaxTile>
+// A pass over kBlocks row blocks by up to kMaxTile activation rows, dispatched to its
+// fixed-size tiles.
+template <template <bool, int, int> class Pass, bool kNibbles, int kBlocks, int kMaxTile>
 void tiles(const Problem& p, const QuantizedActivations& a, const uint8_t* codes,
     const float* scale, const float* offset, int64_t m0, int64_t tile, float* result) {
   if constexpr (kMaxTile == 0) {
     return;
   } else {
-    if (tile == kMaxTile) return Pass<kNibbles, kMaxTile>::run(p, a, codes, scale, offset, m0, result);
-    return tiles<Pass, kNibbles, kMaxTile - 1>(p, a, codes, scale, offset, m0, tile, result);
+    if (tile == kMaxTile) return Pass<kNibbles, kMaxTile, kBlocks>::run(p, a, codes, scale, offset, m0, result);
+    return tiles<Pass, kNibbles, kBlocks, kMaxTile - 1>(p, a, codes, scale, offset, m0, tile, result);
   }
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-template <bool kNibbles, int kTile>
+template <bool kNibbles, int kTile, int kBlocks>
 struct Avx512Pass {
   static void run(const Problem& p, const QuantizedActivations& a, const uint8_t* codes,
       const float* scale, const float* offset, int64_t m0, float* result) {
-    avx512_tile<kNibbles, kTile>(p, a, codes, scale, offset, m0, result);
+    avx512_tile<kNibbles, kTile, kBlocks>(p, a, codes, scale, offset, m0, result);
   }
 };
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-template <bool kNibbles, int kTile>
+template <bool kNibbles, int kTile, int kBlocks>
 struct Avx2Pass {
+  static_assert(kBlocks == 1, "the AVX2 pass takes one row block at a time");
   static void run(const Problem& p, const QuantizedActivations& a, const uint8_t* codes,
       const float* scale, const float* offset, int64_t m0, float* result) {
     avx2_tile<kNibbles, kTile>(p, a, codes, scale, offset, m0, result);
@@ -359,25 +596,60 @@ struct Avx2Pass {
 };
 #endif
 
-// The pass's tile function and the most activation rows it takes at once (what its
-// registers hold: an integer and a float accumulator per row).
-std::pair<Tile, int64_t> pass(const Problem& p) {
+// A tile function over `blocks` consecutive row blocks and the most activation rows it
+// takes at once (what its registers hold: an integer and a float accumulator per row and
+// block).
+struct TileKernel {
+  Tile run;
+  int64_t max_rows;
+  int64_t blocks;
+};
+
+// The pass's kernels: over two row blocks where it has one, and over one (the last odd
+// block of a thread's range, or every block); what each thread does before its first tile
+// and after its last (AMX's tile configuration), where anything.
+struct PassKernels {
+  TileKernel wide;
+  TileKernel narrow;
+  void (*begin_task)(const Problem&) = nullptr;
+  void (*end_task)() = nullptr;
+};
+
+// Activation rows from which the AMX pass takes a matmul: it computes whole tiles of 16
+// rows, and below 12 the VNNI pass's tiles of the rows there are were as fast or faster
+// (SmolLM2's gate_up, 2 threads: Q4_1 at 10 rows 64 us VNNI, 89 AMX; int8 at 12 rows 80
+// VNNI, 63 AMX).
+constexpr int64_t kAmxMinRows = 12;
+
+bool uses_amx(Isa isa, int64_t rows) { return isa == kAmx && rows >= kAmxMinRows; }
+
+PassKernels pass(const Problem& p) {
+#if defined(PAGED_LLM_AMX)
+  if (uses_amx(p.isa, p.rows)) {
+    const TileKernel amx{p.nibbles ? amx_tile<true> : amx_tile<false>, kAmxRows, 1};
+    return {amx, amx, amx_configure, amx_release};
+  }
+#endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-  if (p.isa == kAvx512Vnni) {
-    return {p.nibbles ? tiles<Avx512Pass, true, 8> : tiles<Avx512Pass, false, 8>, 8};
+  if (p.isa == kAvx512Vnni || p.isa == kAmx) {
+    return {{p.nibbles ? tiles<Avx512Pass, true, 2, 6> : tiles<Avx512Pass, false, 2, 6>, 6, 2},
+        {p.nibbles ? tiles<Avx512Pass, true, 1, 8> : tiles<Avx512Pass, false, 1, 8>, 8, 1}};
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  if (p.isa == kAvx2) return {p.nibbles ? tiles<Avx2Pass, true, 2> : tiles<Avx2Pass, false, 2>, 2};
+  if (p.isa == kAvx2) {
+    const TileKernel one{p.nibbles ? tiles<Avx2Pass, true, 1, 2> : tiles<Avx2Pass, false, 1, 2>, 2, 1};
+    return {one, one};
+  }
 #endif
-  return {generic_tile, 4};
+  return {{generic_tile, 4, 1}, {generic_tile, 4, 1}};
 }
 
 template <typename T>
 void matmul_impl(const Problem& p, const at::Tensor& x, const at::Tensor& codes,
     const at::Tensor& scale, const c10::optional<at::Tensor>& offset, at::Tensor& out) {
   const QuantizedActivations a = quantize_activations<T>(p, x.const_data_ptr<T>(), x.stride(0));
-  const auto [tile_fn, max_tile] = pass(p);
+  const PassKernels kernels = pass(p);
   const uint8_t* code_data = codes.const_data_ptr<uint8_t>();
   const float* scale_data = scale.const_data_ptr<float>();
   const float* offset_data = offset.has_value() ? offset->const_data_ptr<float>() : nullptr;
@@ -385,31 +657,40 @@ void matmul_impl(const Problem& p, const at::Tensor& x, const at::Tensor& codes,
   T* out_data = out.data_ptr<T>();
   const int64_t out_stride = out.stride(0);
   const int64_t macs = std::max<int64_t>(1, p.rows * p.padded_features * kRowsPerBlock);
+  const int64_t result_size = kRowsPerBlock *
+      std::max(kernels.wide.max_rows * kernels.wide.blocks, kernels.narrow.max_rows * kernels.narrow.blocks);
   at::parallel_for(0, p.row_blocks, std::max<int64_t>(1, kMacsPerTask / macs), [&](int64_t b0, int64_t b1) {
-    std::vector<float> result(max_tile * kRowsPerBlock);
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * kRowsPerBlock, valid = std::min(kRowsPerBlock, p.out_features - n0);
-      for (int64_t m0 = 0; m0 < p.rows; m0 += max_tile) {
-        const int64_t tile = std::min(max_tile, p.rows - m0);
-        tile_fn(p, a, code_data + b * p.block_stride, scale_data + b * group_stride,
+    std::vector<float> result(result_size);
+    if (kernels.begin_task != nullptr) kernels.begin_task(p);
+    for (int64_t b = b0; b < b1;) {
+      const TileKernel& kernel = b + kernels.wide.blocks <= b1 ? kernels.wide : kernels.narrow;
+      const int64_t n0 = b * kRowsPerBlock;
+      const int64_t valid = std::min(kernel.blocks * kRowsPerBlock, p.out_features - n0);
+      for (int64_t m0 = 0; m0 < p.rows; m0 += kernel.max_rows) {
+        const int64_t tile = std::min(kernel.max_rows, p.rows - m0);
+        kernel.run(p, a, code_data + b * p.block_stride, scale_data + b * group_stride,
             offset_data ? offset_data + b * group_stride : nullptr, m0, tile, result.data());
         for (int64_t t = 0; t < tile; ++t) {
           T* row = out_data + (m0 + t) * out_stride + n0;
-          for (int64_t l = 0; l < valid; ++l) paged_llm_cpu::store(row + l, result[t * kRowsPerBlock + l]);
+          const float* values = result.data() + t * kernel.blocks * kRowsPerBlock;
+          for (int64_t l = 0; l < valid; ++l) paged_llm_cpu::store(row + l, values[l]);
         }
       }
+      b += kernel.blocks;
     }
+    if (kernels.end_task != nullptr) kernels.end_task();
   });
 }
 
 // out [M, N] (x's dtype) = x [M, K] (float32 or bfloat16, rows contiguous) times the
 // transposed weight packed as above (codes [N16 / 16, bytes] uint8, scale and offset
-// [N16 / 16, groups, 16] float32). `isa`: 0 generic, 1 AVX2, 2 AVX-512 VNNI.
+// [N16 / 16, groups, 16] float32). `isa`: 0 generic, 1 AVX2, 2 AVX-512 VNNI, 3 AMX (with
+// the VNNI pass for fewer than kAmxMinRows rows).
 void packed_quantized_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
     const c10::optional<at::Tensor>& offset, int64_t out_features, int64_t group_size, bool nibbles,
     int64_t isa, at::Tensor& out) {
-  TORCH_CHECK(isa >= kGeneric && isa <= kAvx512Vnni, "isa must be 0, 1 or 2");
-  TORCH_CHECK(compiled(static_cast<Isa>(isa)), "this build has no pass ", isa);
+  TORCH_CHECK(isa >= kGeneric && isa <= kAmx, "isa must be 0, 1, 2 or 3");
+  TORCH_CHECK(runnable(static_cast<Isa>(isa)), "this build or process has no pass ", isa);
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte, "codes must be contiguous uint8");
   TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == at::kFloat, "scale must be contiguous float32");
@@ -418,6 +699,7 @@ void packed_quantized_matmul(const at::Tensor& x, const at::Tensor& codes, const
   TORCH_CHECK(out.scalar_type() == x.scalar_type() && out.stride(1) == 1, "out must be x's dtype");
   Problem p{};
   p.rows = x.size(0);
+  p.padded_rows = uses_amx(static_cast<Isa>(isa), p.rows) ? (p.rows + kAmxRows - 1) / kAmxRows * kAmxRows : p.rows;
   p.in_features = x.size(1);
   p.out_features = out_features;
   p.padded_features = (p.in_features + kActBlock - 1) / kActBlock * kActBlock;
@@ -444,8 +726,8 @@ void packed_quantized_matmul(const at::Tensor& x, const at::Tensor& codes, const
 // The passes this build has, best first; the generic loops (0) always.
 std::vector<int64_t> quantized_matmul_isas() {
   std::vector<int64_t> isas;
-  for (Isa isa : {kAvx512Vnni, kAvx2, kGeneric}) {
-    if (compiled(isa)) isas.push_back(isa);
+  for (Isa isa : {kAmx, kAvx512Vnni, kAvx2, kGeneric}) {
+    if (runnable(isa)) isas.push_back(isa);
   }
   return isas;
 }

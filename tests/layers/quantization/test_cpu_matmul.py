@@ -69,9 +69,19 @@ LAYOUTS = [
     (8, 0),  # int8 per channel
     (4, 64),
 ]
-# (rows, out_features, in_features): row counts past a tile (8 on AVX-512, 2 on AVX2),
+# (rows, out_features, in_features): row counts past a tile (16 on AMX, 6 and 8 on AVX-512,
+# 2 on AVX2) and below AMX's 12 (the VNNI pass),
 # output rows not a multiple of 16, and features not a multiple of 32 (per channel).
-SHAPES = [(1, 7, 256), (5, 97, 384), (13, 33, 768), (3, 5, 96), (20, 40, 96), (9, 17, 72)]
+SHAPES = [
+    (1, 7, 256),
+    (5, 97, 384),
+    (13, 33, 768),
+    (3, 5, 96),
+    (20, 40, 96),
+    (9, 17, 72),
+    (97, 50, 160),
+    (37, 16, 64),
+]
 CASES = [
     (*layout, *shape)
     for layout in LAYOUTS
