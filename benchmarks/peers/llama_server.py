@@ -48,6 +48,7 @@ class LlamaServer:
         ]  # fmt: skip
         self._env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         self._process: subprocess.Popen[bytes] | None = None
+        self.pid: int | None = None  # the server's, once started
         # Its log goes to a file: a pipe nobody reads would stall the server once full (and
         # its --log-disable crashes this build).
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by _stop)
@@ -56,6 +57,7 @@ class LlamaServer:
         self._process = subprocess.Popen(
             self._command, env=self._env, stdout=self._log, stderr=subprocess.STDOUT
         )
+        self.pid = self._process.pid
         deadline = time.monotonic() + START_TIMEOUT_SECONDS
         while not self._healthy():
             if self._process.poll() is not None:

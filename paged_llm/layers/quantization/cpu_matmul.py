@@ -36,8 +36,8 @@ _CODE_MAX = 127.0
 
 @functools.cache
 def kernel_isa() -> str | None:
-    """The vector pass of csrc_cpu's quantized matmul this CPU runs (AVX-512 VNNI, else
-    AVX2); None where the C++ kernels could not be built or only the generic loops could
+    """The vector pass of csrc_cpu's quantized matmul this CPU runs (AMX, which takes the
+    AVX-512 VNNI pass below 12 rows; else AVX-512 VNNI; else AVX2); None where the C++ kernels could not be built or only the generic loops could
     (6-90x slower than float32 on SmolLM2's layers): the torch route runs instead."""
     if not csrc_cpu.load():
         return None
