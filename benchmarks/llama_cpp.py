@@ -154,40 +154,42 @@ def main(argv: list[str] | None = None) -> None:
         *args.output_len,
     )
     workload = build_workload(spec, tokenizer)
-    # (llama.cpp's run, paged_llm's run) of each pair, by the pair's name.
-    pairs = {
-        "one sequence at a time": (
-            run_llama_server(args.llama_server, gguf, workload, args.threads, batched=False),
-            run_paged_llm(gguf, workload, 1, args.threads),
+    num_requests = len(workload.requests)
+    # (llama.cpp's label and run, paged_llm's label and run): one sequence at a time, batched.
+    pairs = [
+        (
+            (
+                "llama-server, 1 slot (one sequence at a time)",
+                run_llama_server(args.llama_server, gguf, workload, args.threads, batched=False),
+            ),
+            ("paged_llm, max_num_seqs=1", run_paged_llm(gguf, workload, 1, args.threads)),
         ),
-        "batched": (
-            run_llama_server(args.llama_server, gguf, workload, args.threads, batched=True),
-            run_paged_llm(gguf, workload, None, args.threads),
+        (
+            (
+                f"llama-server, {num_requests} slots (batched)",
+                run_llama_server(args.llama_server, gguf, workload, args.threads, batched=True),
+            ),
+            ("paged_llm, its own batching", run_paged_llm(gguf, workload, None, args.threads)),
         ),
-    }
-    slots = {"one sequence at a time": "1 slot", "batched": f"{len(workload.requests)} slots"}
-    paged_settings = {"one sequence at a time": "max_num_seqs=1", "batched": "its own batching"}
+    ]
     print(
         f"{workload.spec}; {args.threads} threads; {gguf.name}; "
-        f"llama.cpp {pairs['batched'][0]['version']}"
+        f"llama.cpp {pairs[0][0][1]['version']}"
     )
     print(
         f"{'engine':<44} {'wall s':>8} {'out tok/s':>10} {'vs llama.cpp':>13} {'same tokens':>12}"
     )
-    for pair, (llama_run, paged_run) in pairs.items():
+    for llama, paged in pairs:
+        llama_run = llama[1]
         base_rate = llama_run["output_tokens"] / llama_run["seconds"]
-        rows = (
-            (f"llama-server, {slots[pair]} ({pair})", llama_run),
-            (f"paged_llm, {paged_settings[pair]}", paged_run),
-        )
-        for name, run in rows:
+        for name, run in (llama, paged):
             rate = run["output_tokens"] / run["seconds"]
             same = sum(
                 a == b for a, b in zip(run["token_ids"], llama_run["token_ids"], strict=True)
             )
             print(
                 f"{name:<44} {run['seconds']:>8.2f} {rate:>10.1f} {rate / base_rate:>12.2f}x "
-                f"{same:>5}/{len(workload.requests)}"
+                f"{same:>5}/{num_requests}"
             )
 
 

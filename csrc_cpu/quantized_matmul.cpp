@@ -180,12 +180,13 @@ inline std::pair<int32_t, int32_t> quantize_block(const T* row, int8_t* q, float
 
 // One activation row: its codes and block scales, the codes' sum over each span (8-bit
 // weight codes only) and the sum of d * q over each group (weights with offsets only).
+// `half_sums` (padded K / 16 entries, the caller's, reused row after row) gets the codes'
+// sums of each half block of 16: a span is one or two of them.
 template <typename T>
 void quantize_activation_row(const Problem& p, const T* x, int8_t* q, float* scales,
-    int32_t* span_sums, float* group_sums) {
+    int32_t* span_sums, float* group_sums, int32_t* half_sums) {
   const int64_t K = p.in_features, Kp = p.padded_features;
-  // The codes' sums of each half block of 16 (a span is one or two of them).
-  std::vector<int32_t> half_sums(Kp / 16, 0);
+  std::fill(half_sums, half_sums + Kp / 16, 0);
   int64_t whole_blocks = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   whole_blocks = K / kActBlock;
@@ -218,10 +219,11 @@ QuantizedActivations quantize_activations(const Problem& p, const T* x, int64_t 
   if (!p.nibbles) a.span_sums.resize(padded * (Kp / p.span));
   if (p.has_offset) a.group_sums.assign(padded * p.num_groups, 0.0f);
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / Kp), [&](int64_t m0, int64_t m1) {
+    std::vector<int32_t> half_sums(Kp / 16);
     for (int64_t m = m0; m < m1; ++m) {
       quantize_activation_row(p, x + m * x_stride, a.q.data() + m * Kp, a.scale.data() + m * (Kp / kActBlock),
           p.nibbles ? nullptr : a.span_sums.data() + m * (Kp / p.span),
-          p.has_offset ? a.group_sums.data() + m * p.num_groups : nullptr);
+          p.has_offset ? a.group_sums.data() + m * p.num_groups : nullptr, half_sums.data());
     }
   });
   return a;
@@ -372,14 +374,15 @@ void avx512_tile(const Problem& p, const QuantizedActivations& a, const uint8_t*
 // instructions, store and scaling left the tile unit idle most of the time.
 constexpr int64_t kAmxSpansInFlight = 4;
 
-// The tile shapes for spans of p.span features: sums 0-3, activations 4-5, codes 6-7.
-// Tile configuration is per thread; each task sets it.
+// A thread's 4-bit codes unpacked to AMX's B rows, and the row block they came from.
 struct AmxScratch {
-  const uint8_t* unpacked_from = nullptr;  // the row block whose 4-bit codes `unpacked` holds
+  const uint8_t* unpacked_from = nullptr;
   std::vector<uint8_t> unpacked;
 };
 thread_local AmxScratch amx_scratch;
 
+// The tile shapes for spans of p.span features: sums 0-3, activations 4-5, codes 6-7.
+// Tile configuration is per thread; each task sets it.
 void amx_configure(const Problem& p) {
   struct alignas(64) {
     uint8_t palette = 1;
