@@ -25,7 +25,7 @@ from torch import nn
 import csrc_cpu
 from benchmarks.report import format_table
 from paged_llm.layers.linear import Linear, prepack_for_cpu
-from paged_llm.layers.quantization import get_quantized_linear_method
+from paged_llm.layers.quantization import cpu_matmul, get_quantized_linear_method
 from paged_llm.layers.quantization.grouped import GroupQuantizedLinearMethod, GroupQuantizedTensor
 from paged_llm.layers.weights import CheckpointTensor
 
@@ -80,17 +80,7 @@ class _ForcedPass(nn.Module):
         self.isa = isa
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        piece = self.piece
-        return csrc_cpu.packed_quantized_matmul(
-            x,
-            piece.codes,
-            piece.scale,
-            piece.offset,
-            piece.shape[0],
-            piece.group_size,
-            piece.nibbles,
-            self.isa,
-        )
+        return cpu_matmul.packed_matmul(x, self.piece, self.isa)
 
 
 def _forced(

@@ -255,6 +255,7 @@ def packed_quantized_matmul(
     offset: torch.Tensor | None,
     out_features: int,
     group_size: int,
+    act_block: int,
     nibbles: bool,
     isa: str,
 ) -> torch.Tensor:
@@ -262,8 +263,9 @@ def packed_quantized_matmul(
     rows, for ``W[n, k] = scale[n, k // group_size] * code[n, k] + offset[n, ...]`` in the
     layout quantized_matmul.cpp describes (codes ``[row blocks, bytes]`` uint8, 4-bit pairs
     if ``nibbles`` else int8; scale and offset ``[row blocks, groups, 16]`` float32), and
-    ``x̂`` the activations rounded to int8 per block of 32 features: ``d = amax / 127``,
-    ``q = round(x * 127 / amax)``, ``x̂ = d * q``. Exact integer sums; float32 rounding of
+    ``x̂`` the activations rounded to int8 per block of ``act_block`` features (32, or a
+    multiple of 64 for a weight of one group a row; a row's last block may be shorter):
+    ``d = amax / 127``, ``q = round(x * 127 / amax)``, ``x̂ = d * q``. Exact integer sums; float32 rounding of
     their scaled sums only. ``isa`` is one of `quantized_matmul_isas`. Needs `load`."""
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
     torch.ops.paged_llm_cpu.packed_quantized_matmul(
@@ -273,6 +275,7 @@ def packed_quantized_matmul(
         offset,
         out_features,
         group_size,
+        act_block,
         nibbles,
         QUANTIZED_MATMUL_ISAS[isa],
         out,

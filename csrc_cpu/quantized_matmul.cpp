@@ -13,11 +13,15 @@
 // blocks in the order [row block][feature block]; scales and offsets [row block][group][16].
 // Rows are padded to a multiple of 16 and features to one of 32 with zero codes.
 //
-// Each activation row is quantized per block of 32 features to int8 codes q with a float32
-// scale d:  d = amax / 127,  q = nearbyint(x * (127 / amax))  (0 where amax is 0), and
+// Each activation row is quantized per block of A features (the caller's act_block: 32 for
+// group-quantized weights, a multiple of 64 for weights of one group a row; a row's last
+// block may be shorter) to int8 codes q with a float32 scale d:
+//   d = amax / 127,  q = nearbyint(x * (127 / amax))  (0 where amax is 0), and
 //   out[m, n] = sum over spans of (scale * d) * (integer sum of code * q over the span)
 //             + sum_g offset[n, g] * (sum over k in g of d * q_k)
-// where a span is 32 features (16 for groups of 16): one group and one activation block.
+// where a span is one group and one activation block: 32 features (16 for groups of 16),
+// or A for weights of one group a row. Features are padded to 32 (64 where A is larger,
+// AMX's widest tile step) and a span ends there at the latest.
 // The integer sums are exact; the passes differ only in the order of float32 additions.
 //
 // Passes: AMX (tile products of 16 activation rows by 16 output rows by a span, from
@@ -42,6 +46,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -58,7 +63,8 @@ enum Isa : int64_t { kGeneric = 0, kAvx2 = 1, kAvx512Vnni = 2, kAmx = 3 };
 #endif
 
 constexpr int64_t kRowsPerBlock = 16;  // output rows of one packed block (a vector's lanes)
-constexpr int64_t kActBlock = 32;  // activation features that share one scale
+constexpr int64_t kActBlock = 32;  // activation features that share one scale, group-quantized weights
+constexpr int64_t kAmxStep = 64;  // features of one AMX tile product at its widest (64 bytes a row)
 constexpr int64_t kBlockBytes = 64;
 constexpr int64_t kAmxRows = 16;  // activation rows of one AMX tile (its row count)
 // Multiply-adds per parallel task: a decode step's matmul by a small projection still
@@ -113,10 +119,13 @@ struct Problem {
   int64_t padded_rows;  // M, rounded up to a tile of activation rows where the pass loads whole tiles
   int64_t out_features;  // N
   int64_t in_features;  // K
-  int64_t padded_features;  // K rounded up to kActBlock
+  int64_t padded_features;  // K rounded up to kActBlock, or to kAmxStep where act_block is larger
   int64_t group_size;  // >= K: one group a row
   int64_t num_groups;
-  int64_t span;  // features of one integer sum: 32, or 16 for groups of 16
+  int64_t act_block;  // features that share one activation scale
+  int64_t act_blocks;  // of a padded row
+  int64_t span;  // features of one integer sum: act_block, or 16 for groups of 16
+  int64_t spans;  // of a padded row, the last one possibly shorter
   bool nibbles;
   bool has_offset;
   Isa isa;
@@ -127,8 +136,8 @@ struct Problem {
 // The activations as the passes read them.
 struct QuantizedActivations {
   std::vector<int8_t> q;  // [M, padded K], zero past K
-  std::vector<float> scale;  // [M, padded K / 32]
-  std::vector<int32_t> span_sums;  // [M, padded K / span]: sum of q (8-bit codes only)
+  std::vector<float> scale;  // [M, act blocks]
+  std::vector<int32_t> span_sums;  // [M, spans]: sum of q (8-bit codes only)
   std::vector<float> group_sums;  // [M, groups]: sum over k in g of d * q (offsets only)
 };
 
@@ -157,55 +166,57 @@ inline __m512 load16(const c10::BFloat16* x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-// `quantize_row` for one whole block of 32 features, with the same codes: the amax and the
-// products are the scalar loop's, and the clamp comes before the rounding (127 is an
-// integer), vminps's operand order sending NaN to 127 as std::min does. Returns the
-// codes' sums of features 0-15 and 16-31.
+// `quantize_row` for one block of 16 * halves features, with the same codes: the amax and
+// the products are the scalar loop's, and the clamp comes before the rounding (127 is an
+// integer), vminps's operand order sending NaN to 127 as std::min does. Writes the codes'
+// sum of each 16 features to half_sums.
 template <typename T>
-inline std::pair<int32_t, int32_t> quantize_block(const T* row, int8_t* q, float* scale) {
-  const __m512 x0 = load16(row), x1 = load16(row + 16);
+inline void quantize_block(const T* row, int64_t halves, int8_t* q, float* scale, int32_t* half_sums) {
   // vmaxps returns its second operand where either is NaN: NaN is skipped, as in std::max.
-  const __m512 magnitude = _mm512_max_ps(_mm512_abs_ps(x1), _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps()));
+  __m512 magnitude = _mm512_setzero_ps();
+  for (int64_t h = 0; h < halves; ++h) magnitude = _mm512_max_ps(_mm512_abs_ps(load16(row + 16 * h)), magnitude);
   const float amax = _mm512_reduce_max_ps(magnitude);
   const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
   *scale = amax / 127.0f;
   const __m512 high = _mm512_set1_ps(127.0f), low = _mm512_set1_ps(-127.0f);
-  const __m512i c0 = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(x0, inverse), high), low));
-  const __m512i c1 = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(x1, inverse), high), low));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(c0));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(c1));
-  return {_mm512_reduce_add_epi32(c0), _mm512_reduce_add_epi32(c1)};
+  for (int64_t h = 0; h < halves; ++h) {
+    const __m512 x = _mm512_mul_ps(load16(row + 16 * h), inverse);
+    const __m512i codes = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(x, high), low));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * h), _mm512_cvtepi32_epi8(codes));
+    half_sums[h] = _mm512_reduce_add_epi32(codes);
+  }
 }
 #endif
 
 // One activation row: its codes and block scales, the codes' sum over each span (8-bit
 // weight codes only) and the sum of d * q over each group (weights with offsets only).
 // `half_sums` (padded K / 16 entries, the caller's, reused row after row) gets the codes'
-// sums of each half block of 16: a span is one or two of them.
+// sums of each 16 features: a span is one or more of them.
 template <typename T>
 void quantize_activation_row(const Problem& p, const T* x, int8_t* q, float* scales,
     int32_t* span_sums, float* group_sums, int32_t* half_sums) {
-  const int64_t K = p.in_features, Kp = p.padded_features;
+  const int64_t K = p.in_features, Kp = p.padded_features, A = p.act_block;
   std::fill(half_sums, half_sums + Kp / 16, 0);
-  int64_t whole_blocks = 0;
+  for (int64_t b = 0; b * A < K; ++b) {
+    const int64_t start = b * A, size = std::min(K - start, A);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  whole_blocks = K / kActBlock;
-  for (int64_t b = 0; b < whole_blocks; ++b) {
-    std::tie(half_sums[2 * b], half_sums[2 * b + 1]) = quantize_block(x + b * kActBlock, q + b * kActBlock, scales + b);
-  }
+    if (size % kActBlock == 0) {
+      quantize_block(x + start, size / 16, q + start, scales + b, half_sums + start / 16);
+      continue;
+    }
 #endif
-  const int64_t done = whole_blocks * kActBlock;
-  quantize_row(x + done, K - done, kActBlock, q + done, scales + whole_blocks);
-  for (int64_t k = done; k < K; ++k) half_sums[k / 16] += q[k];
+    quantize_row(x + start, size, A, q + start, scales + b);
+    for (int64_t k = start; k < start + size; ++k) half_sums[k / 16] += q[k];
+  }
   if (span_sums != nullptr) {
-    const int64_t halves = p.span / 16;
-    for (int64_t s = 0; s < Kp / p.span; ++s) {
-      span_sums[s] = halves == 1 ? half_sums[s] : half_sums[2 * s] + half_sums[2 * s + 1];
+    for (int64_t s = 0; s < p.spans; ++s) {
+      const int64_t end = std::min(Kp, (s + 1) * p.span);
+      span_sums[s] = std::accumulate(half_sums + s * p.span / 16, half_sums + end / 16, 0);
     }
   }
   if (group_sums != nullptr) {
     for (int64_t h = 0; h < Kp / 16; ++h) {
-      group_sums[std::min(16 * h / p.group_size, p.num_groups - 1)] += scales[h / 2] * static_cast<float>(half_sums[h]);
+      group_sums[std::min(16 * h / p.group_size, p.num_groups - 1)] += scales[16 * h / A] * static_cast<float>(half_sums[h]);
     }
   }
 }
@@ -215,14 +226,14 @@ QuantizedActivations quantize_activations(const Problem& p, const T* x, int64_t 
   const int64_t M = p.rows, Kp = p.padded_features, padded = p.padded_rows;
   QuantizedActivations a;
   a.q.assign(padded * Kp, 0);
-  a.scale.assign(padded * (Kp / kActBlock), 0.0f);
-  if (!p.nibbles) a.span_sums.resize(padded * (Kp / p.span));
+  a.scale.assign(padded * p.act_blocks, 0.0f);
+  if (!p.nibbles) a.span_sums.resize(padded * p.spans);
   if (p.has_offset) a.group_sums.assign(padded * p.num_groups, 0.0f);
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / Kp), [&](int64_t m0, int64_t m1) {
     std::vector<int32_t> half_sums(Kp / 16);
     for (int64_t m = m0; m < m1; ++m) {
-      quantize_activation_row(p, x + m * x_stride, a.q.data() + m * Kp, a.scale.data() + m * (Kp / kActBlock),
-          p.nibbles ? nullptr : a.span_sums.data() + m * (Kp / p.span),
+      quantize_activation_row(p, x + m * x_stride, a.q.data() + m * Kp, a.scale.data() + m * p.act_blocks,
+          p.nibbles ? nullptr : a.span_sums.data() + m * p.spans,
           p.has_offset ? a.group_sums.data() + m * p.num_groups : nullptr, half_sums.data());
     }
   });
@@ -241,19 +252,22 @@ inline int32_t packed_code(const uint8_t* block_codes, bool nibbles, int64_t lan
 // Group of the span starting at feature k (the last group for a row's padding).
 inline int64_t group_of(const Problem& p, int64_t k) { return std::min(k / p.group_size, p.num_groups - 1); }
 
+// Where the span starting at feature k0 ends.
+inline int64_t span_end(const Problem& p, int64_t k0) { return std::min(k0 + p.span, p.padded_features); }
+
 // out[m0 + t, n0 + l] for t < tile, l < 16, into result[t * 16 + l].
 void generic_tile(const Problem& p, const QuantizedActivations& a, const uint8_t* codes,
     const float* scale, const float* offset, int64_t m0, int64_t tile, float* result) {
   const int64_t Kp = p.padded_features;
   for (int64_t t = 0; t < tile; ++t) {
     const int8_t* q = a.q.data() + (m0 + t) * Kp;
-    const float* d = a.scale.data() + (m0 + t) * (Kp / kActBlock);
+    const float* d = a.scale.data() + (m0 + t) * p.act_blocks;
     for (int64_t lane = 0; lane < kRowsPerBlock; ++lane) {
       float total = 0.0f;
       for (int64_t k0 = 0; k0 < Kp; k0 += p.span) {
         int32_t sum = 0;
-        for (int64_t k = k0; k < k0 + p.span; ++k) sum += packed_code(codes, p.nibbles, lane, k) * q[k];
-        total += scale[group_of(p, k0) * kRowsPerBlock + lane] * d[k0 / kActBlock] * static_cast<float>(sum);
+        for (int64_t k = k0; k < span_end(p, k0); ++k) sum += packed_code(codes, p.nibbles, lane, k) * q[k];
+        total += scale[group_of(p, k0) * kRowsPerBlock + lane] * d[k0 / p.act_block] * static_cast<float>(sum);
       }
       if (offset != nullptr) {
         const float* sums = a.group_sums.data() + (m0 + t) * p.num_groups;
@@ -279,7 +293,7 @@ struct TileRows {
   TileRows(const Problem& p, const QuantizedActivations& a, int64_t m0) {
     for (int t = 0; t < kTile; ++t) {
       q[t] = a.q.data() + (m0 + t) * p.padded_features;
-      d[t] = a.scale.data() + (m0 + t) * (p.padded_features / kActBlock);
+      d[t] = a.scale.data() + (m0 + t) * p.act_blocks;
     }
   }
 };
@@ -307,7 +321,7 @@ void avx512_tile(const Problem& p, const QuantizedActivations& a, const uint8_t*
       for (int j = 0; j < kBlocks; ++j) sums[t][j] = _mm512_setzero_si512();
     }
     if constexpr (kNibbles) {
-      for (int64_t k = k0; k < k0 + S; k += 8) {
+      for (int64_t k = k0; k < span_end(p, k0); k += 8) {
         __m512i low[kBlocks], high[kBlocks];
         for (int j = 0; j < kBlocks; ++j) {
           const __m512i w = _mm512_loadu_si512(codes + j * p.block_stride + (k / 8) * kBlockBytes);
@@ -324,7 +338,7 @@ void avx512_tile(const Problem& p, const QuantizedActivations& a, const uint8_t*
         }
       }
     } else {
-      for (int64_t k = k0; k < k0 + S; k += 4) {
+      for (int64_t k = k0; k < span_end(p, k0); k += 4) {
         __m512i w[kBlocks];
         for (int j = 0; j < kBlocks; ++j) {
           w[j] = _mm512_xor_si512(_mm512_loadu_si512(codes + j * p.block_stride + (k / 4) * kBlockBytes), sign_flip);
@@ -335,14 +349,14 @@ void avx512_tile(const Problem& p, const QuantizedActivations& a, const uint8_t*
         }
       }
       for (int t = 0; t < kTile; ++t) {
-        const __m512i correction = _mm512_set1_epi32(128 * a.span_sums[(m0 + t) * (Kp / S) + k0 / S]);
+        const __m512i correction = _mm512_set1_epi32(128 * a.span_sums[(m0 + t) * p.spans + k0 / S]);
         for (int j = 0; j < kBlocks; ++j) sums[t][j] = _mm512_sub_epi32(sums[t][j], correction);
       }
     }
     __m512 s[kBlocks];
     for (int j = 0; j < kBlocks; ++j) s[j] = _mm512_loadu_ps(scale + j * group_stride + group_of(p, k0) * kRowsPerBlock);
     for (int t = 0; t < kTile; ++t) {
-      const __m512 dt = _mm512_set1_ps(d[t][k0 / kActBlock]);
+      const __m512 dt = _mm512_set1_ps(d[t][k0 / p.act_block]);
       for (int j = 0; j < kBlocks; ++j) {
         acc[t][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t][j]), _mm512_mul_ps(s[j], dt), acc[t][j]);
       }
@@ -365,24 +379,29 @@ void avx512_tile(const Problem& p, const QuantizedActivations& a, const uint8_t*
 #endif
 
 #if defined(PAGED_LLM_AMX)
-// AMX: one tile instruction multiplies 16 activation rows by a span of codes for 16 output
-// rows (16 x 16 x 32 byte products), where vpdpbusd does 16 x 4. The packed 8-bit layout is
-// already AMX's B operand (row r: 16 outputs x features 4r..4r+3); 4-bit codes are unpacked
-// to it once per row block and thread. Integer sums leave the tiles each span, to be scaled
+// AMX: one tile instruction multiplies 16 activation rows by up to 64 features of codes for
+// 16 output rows (16 x 16 x 64 byte products), where vpdpbusd does 16 x 4; a span of more
+// features takes several into one sum tile. The packed 8-bit layout is already AMX's B
+// operand (row r: 16 outputs x features 4r..4r+3); 4-bit codes are unpacked to it once per
+// row block and thread. Integer sums leave the tiles each span, to be scaled
 // by that span's activation and weight scales in AVX-512 registers, as in the VNNI pass;
 // four spans are in flight at a time (sum tiles 0-3), since one span's chain of tile
 // instructions, store and scaling left the tile unit idle most of the time.
 constexpr int64_t kAmxSpansInFlight = 4;
 
-// A thread's 4-bit codes unpacked to AMX's B rows, and the row block they came from.
+// A thread's 4-bit codes unpacked to AMX's B rows, and the row block they came from: one
+// slot for each row block a tile takes.
 struct AmxScratch {
-  const uint8_t* unpacked_from = nullptr;
-  std::vector<uint8_t> unpacked;
+  const uint8_t* unpacked_from[2] = {};
+  std::vector<uint8_t> unpacked[2];
 };
 thread_local AmxScratch amx_scratch;
 
-// The tile shapes for spans of p.span features: sums 0-3, activations 4-5, codes 6-7.
-// Tile configuration is per thread; each task sets it.
+// Features of one tile product: the span, up to a tile's 64 bytes a row.
+inline int64_t amx_step(const Problem& p) { return std::min(p.span, kAmxStep); }
+
+// The tile shapes for products of amx_step features: sums 0-3, activations 4-5, codes
+// 6-7. Tile configuration is per thread; each task sets it.
 void amx_configure(const Problem& p) {
   struct alignas(64) {
     uint8_t palette = 1;
@@ -397,45 +416,46 @@ void amx_configure(const Problem& p) {
   }
   for (int tile = 4; tile < 6; ++tile) {
     config.rows[tile] = kAmxRows;
-    config.bytes_per_row[tile] = static_cast<uint16_t>(p.span);
+    config.bytes_per_row[tile] = static_cast<uint16_t>(amx_step(p));
   }
   for (int tile = 6; tile < 8; ++tile) {
-    config.rows[tile] = static_cast<uint8_t>(p.span / 4);
+    config.rows[tile] = static_cast<uint8_t>(amx_step(p) / 4);
     config.bytes_per_row[tile] = kBlockBytes;
   }
   // GCC's _tile_loadconfig tells the compiler it reads 8 bytes, so the stores to the rest
   // of the configuration would be dropped as dead without this barrier.
   asm volatile("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
-  amx_scratch.unpacked_from = nullptr;  // the weight's memory may since hold another
+  // The weight's memory may since hold another.
+  std::fill(std::begin(amx_scratch.unpacked_from), std::end(amx_scratch.unpacked_from), nullptr);
 }
 
 void amx_release() { _tile_release(); }
 
 // A row block's 4-bit codes in the 8-bit layout (AMX's B rows), from this thread's scratch.
-const uint8_t* amx_unpacked(const Problem& p, const uint8_t* codes) {
-  AmxScratch& scratch = amx_scratch;
-  if (scratch.unpacked_from != codes) {
-    scratch.unpacked.resize(p.padded_features * kRowsPerBlock);
+const uint8_t* amx_unpacked(const Problem& p, const uint8_t* codes, int slot) {
+  const uint8_t*& unpacked_from = amx_scratch.unpacked_from[slot];
+  std::vector<uint8_t>& unpacked = amx_scratch.unpacked[slot];
+  if (unpacked_from != codes) {
+    unpacked.resize(p.padded_features * kRowsPerBlock);
     const __m512i low_mask = _mm512_set1_epi8(0x0F);
     for (int64_t i = 0; i < p.padded_features / 8; ++i) {
       const __m512i w = _mm512_loadu_si512(codes + i * kBlockBytes);
-      uint8_t* rows = scratch.unpacked.data() + 2 * i * kBlockBytes;
+      uint8_t* rows = unpacked.data() + 2 * i * kBlockBytes;
       _mm512_storeu_si512(rows, _mm512_and_si512(w, low_mask));
       _mm512_storeu_si512(rows + kBlockBytes, _mm512_and_si512(_mm512_srli_epi16(w, 4), low_mask));
     }
-    scratch.unpacked_from = codes;
+    unpacked_from = codes;
+    // GCC's tile loads do not tell the compiler they read memory: the stores above stay first.
+    asm volatile("" : : : "memory");
   }
-  return scratch.unpacked.data();
+  return unpacked.data();
 }
 
-// Sum tile `sum` = activation rows (tile `act`) times the span's codes (tile `code`) of
-// the span at feature `k`. Tile numbers are pasted into the assembly: literals only.
-#define PAGED_LLM_AMX_SPAN(sum, act, code, k)                                \
+// Sum tile `sum` += activation rows (tile `act`) times codes (tile `code`). Tile numbers
+// are pasted into the assembly: literals only.
+#define PAGED_LLM_AMX_PRODUCT(sum, act, code)                                \
   do {                                                                       \
-    _tile_zero(sum);                                                         \
-    _tile_loadd(act, q + (k), Kp);                                           \
-    _tile_loadd(code, weights + (k) * kBlockBytes / 4, kBlockBytes);         \
     if constexpr (kNibbles) {                                                \
       _tile_dpbsud(sum, act, code); /* signed activations, unsigned codes */ \
     } else {                                                                 \
@@ -443,21 +463,33 @@ const uint8_t* amx_unpacked(const Problem& p, const uint8_t* codes) {
     }                                                                        \
   } while (false)
 
+// Sum tile `sum` = activation rows (tile `act`) times the span's codes (tile `code`) of
+// the span at feature `k`.
+#define PAGED_LLM_AMX_SPAN(sum, act, code, k)                        \
+  do {                                                               \
+    _tile_zero(sum);                                                 \
+    for (int64_t f = (k); f < span_end(p, (k)); f += step) {         \
+      _tile_loadd(act, q + f, Kp);                                   \
+      _tile_loadd(code, weights + f * kBlockBytes / 4, kBlockBytes); \
+      PAGED_LLM_AMX_PRODUCT(sum, act, code);                         \
+    }                                                                \
+  } while (false)
+
 // Rows m0 .. m0 + 16 (past M: zero codes and scales) by one row block; `tile` is unused.
 template <bool kNibbles>
 void amx_tile(const Problem& p, const QuantizedActivations& a, const uint8_t* codes,
     const float* scale, const float* offset, int64_t m0, int64_t /*tile*/, float* result) {
-  const int64_t Kp = p.padded_features, S = p.span, blocks_per_row = Kp / kActBlock;
+  const int64_t Kp = p.padded_features, S = p.span, step = amx_step(p);
   alignas(64) int32_t sums[kAmxSpansInFlight][kAmxRows * kRowsPerBlock];
-  const uint8_t* weights = kNibbles ? amx_unpacked(p, codes) : codes;
+  const uint8_t* weights = kNibbles ? amx_unpacked(p, codes, 0) : codes;
   const int8_t* q = a.q.data() + m0 * Kp;
-  const float* d = a.scale.data() + m0 * blocks_per_row;
+  const float* d = a.scale.data() + m0 * p.act_blocks;
   __m512 acc[kAmxRows];
   for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
   const auto scale_span = [&](const int32_t* span_sums, int64_t k0) {
     const __m512 s = _mm512_loadu_ps(scale + group_of(p, k0) * kRowsPerBlock);
     for (int r = 0; r < kAmxRows; ++r) {
-      const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(d[r * blocks_per_row + k0 / kActBlock]));
+      const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(d[r * p.act_blocks + k0 / p.act_block]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(span_sums + r * kRowsPerBlock)), sd, acc[r]);
     }
   };
@@ -489,6 +521,71 @@ void amx_tile(const Problem& p, const QuantizedActivations& a, const uint8_t* co
   }
   for (int r = 0; r < kAmxRows; ++r) _mm512_storeu_ps(result + r * kRowsPerBlock, acc[r]);
 }
+
+// Rows m0 .. m0 + 32 (past M: zero codes and scales) by two row blocks, into result
+// [32 rows][32 outputs]: sum tiles 0-3 take rows 0-15 and 16-31 (activation tiles 4, 5)
+// by blocks 0 and 1 (code tiles 6, 7), so each tile loaded feeds two products, where
+// amx_tile's feed one (its loads bound it, as many cycles as the products). The sums are
+// scaled into `result` each span, there being no registers for 32 x 32 accumulators.
+template <bool kNibbles>
+void amx_tile_pair(const Problem& p, const QuantizedActivations& a, const uint8_t* codes,
+    const float* scale, const float* offset, int64_t m0, int64_t /*tile*/, float* result) {
+  constexpr int64_t kRows = 2 * kAmxRows, kOutputs = 2 * kRowsPerBlock;
+  const int64_t Kp = p.padded_features, step = amx_step(p), group_stride = p.num_groups * kRowsPerBlock;
+  const uint8_t* w0 = kNibbles ? amx_unpacked(p, codes, 0) : codes;
+  const uint8_t* w1 = kNibbles ? amx_unpacked(p, codes + p.block_stride, 1) : codes + p.block_stride;
+  const int8_t* q0 = a.q.data() + m0 * Kp;
+  const int8_t* q1 = q0 + kAmxRows * Kp;
+  const float* d = a.scale.data() + m0 * p.act_blocks;
+  alignas(64) int32_t sums[4][kAmxRows * kRowsPerBlock];
+  constexpr int64_t kSumRowBytes = kRowsPerBlock * sizeof(int32_t);
+  std::fill(result, result + kRows * kOutputs, 0.0f);
+  for (int64_t k0 = 0; k0 < Kp; k0 += p.span) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t f = k0; f < span_end(p, k0); f += step) {
+      _tile_loadd(4, q0 + f, Kp);
+      _tile_loadd(6, w0 + f * kBlockBytes / 4, kBlockBytes);
+      PAGED_LLM_AMX_PRODUCT(0, 4, 6);
+      _tile_loadd(7, w1 + f * kBlockBytes / 4, kBlockBytes);
+      PAGED_LLM_AMX_PRODUCT(1, 4, 7);
+      _tile_loadd(5, q1 + f, Kp);
+      PAGED_LLM_AMX_PRODUCT(2, 5, 6);
+      PAGED_LLM_AMX_PRODUCT(3, 5, 7);
+    }
+    _tile_stored(0, sums[0], kSumRowBytes);
+    _tile_stored(1, sums[1], kSumRowBytes);
+    _tile_stored(2, sums[2], kSumRowBytes);
+    _tile_stored(3, sums[3], kSumRowBytes);
+    const int64_t g = group_of(p, k0), block = k0 / p.act_block;
+    const __m512 s[2] = {_mm512_loadu_ps(scale + g * kRowsPerBlock), _mm512_loadu_ps(scale + group_stride + g * kRowsPerBlock)};
+    for (int i = 0; i < 4; ++i) {
+      const int half = i / 2, j = i % 2;
+      for (int r = 0; r < kAmxRows; ++r) {
+        const int64_t row = half * kAmxRows + r;
+        float* acc = result + row * kOutputs + j * kRowsPerBlock;
+        const __m512 sd = _mm512_mul_ps(s[j], _mm512_set1_ps(d[row * p.act_blocks + block]));
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(sums[i] + r * kRowsPerBlock));
+        _mm512_storeu_ps(acc, _mm512_fmadd_ps(sum, sd, _mm512_loadu_ps(acc)));
+      }
+    }
+  }
+  if (offset != nullptr) {
+    for (int64_t g = 0; g < p.num_groups; ++g) {
+      for (int j = 0; j < 2; ++j) {
+        const __m512 o = _mm512_loadu_ps(offset + j * group_stride + g * kRowsPerBlock);
+        for (int64_t row = 0; row < kRows; ++row) {
+          float* acc = result + row * kOutputs + j * kRowsPerBlock;
+          const __m512 x_sum = _mm512_set1_ps(a.group_sums[(m0 + row) * p.num_groups + g]);
+          _mm512_storeu_ps(acc, _mm512_fmadd_ps(o, x_sum, _mm512_loadu_ps(acc)));
+        }
+      }
+    }
+  }
+}
+#undef PAGED_LLM_AMX_PRODUCT
 #undef PAGED_LLM_AMX_SPAN
 #endif
 
@@ -518,7 +615,7 @@ void avx2_tile(const Problem& p, const QuantizedActivations& a, const uint8_t* c
   for (int64_t k0 = 0; k0 < Kp; k0 += S) {
     __m256i sums[kTile][2];
     for (int t = 0; t < kTile; ++t) sums[t][0] = sums[t][1] = _mm256_setzero_si256();
-    for (int64_t k = k0; k < k0 + S; k += kNibbles ? 8 : 4) {
+    for (int64_t k = k0; k < span_end(p, k0); k += kNibbles ? 8 : 4) {
       const uint8_t* block = codes + (k / (kNibbles ? 8 : 4)) * kBlockBytes;
       for (int h = 0; h < 2; ++h) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * h));
@@ -540,7 +637,7 @@ void avx2_tile(const Problem& p, const QuantizedActivations& a, const uint8_t* c
     }
     const float* s = scale + group_of(p, k0) * kRowsPerBlock;
     for (int t = 0; t < kTile; ++t) {
-      const __m256 dt = _mm256_set1_ps(d[t][k0 / kActBlock]);
+      const __m256 dt = _mm256_set1_ps(d[t][k0 / p.act_block]);
       for (int h = 0; h < 2; ++h) {
         const __m256 sd = _mm256_mul_ps(_mm256_loadu_ps(s + 8 * h), dt);
         acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t][h]), sd, acc[t][h]);
@@ -627,11 +724,17 @@ constexpr int64_t kAmxMinRows = 12;
 
 bool uses_amx(Isa isa, int64_t rows) { return isa == kAmx && rows >= kAmxMinRows; }
 
+// Activation rows the AMX pass's tiles take at a time: one tile of 16 up to 16 rows (two
+// would multiply as many zero rows), else two.
+int64_t amx_tile_rows(int64_t rows) { return rows > kAmxRows ? 2 * kAmxRows : kAmxRows; }
+
 PassKernels pass(const Problem& p) {
 #if defined(PAGED_LLM_AMX)
   if (uses_amx(p.isa, p.rows)) {
-    const TileKernel amx{p.nibbles ? amx_tile<true> : amx_tile<false>, kAmxRows, 1};
-    return {amx, amx, amx_configure, amx_release};
+    const TileKernel one{p.nibbles ? amx_tile<true> : amx_tile<false>, kAmxRows, 1};
+    if (amx_tile_rows(p.rows) == kAmxRows) return {one, one, amx_configure, amx_release};
+    return {{p.nibbles ? amx_tile_pair<true> : amx_tile_pair<false>, 2 * kAmxRows, 2}, one, amx_configure,
+        amx_release};
   }
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -688,11 +791,11 @@ void matmul_impl(const Problem& p, const at::Tensor& x, const at::Tensor& codes,
 
 // out [M, N] (x's dtype) = x [M, K] (float32 or bfloat16, rows contiguous) times the
 // transposed weight packed as above (codes [N16 / 16, bytes] uint8, scale and offset
-// [N16 / 16, groups, 16] float32). `isa`: 0 generic, 1 AVX2, 2 AVX-512 VNNI, 3 AMX (with
+// [N16 / 16, groups, 16] float32), activations quantized per act_block features. `isa`: 0 generic, 1 AVX2, 2 AVX-512 VNNI, 3 AMX (with
 // the VNNI pass for fewer than kAmxMinRows rows).
 void packed_quantized_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-    const c10::optional<at::Tensor>& offset, int64_t out_features, int64_t group_size, bool nibbles,
-    int64_t isa, at::Tensor& out) {
+    const c10::optional<at::Tensor>& offset, int64_t out_features, int64_t group_size, int64_t act_block,
+    bool nibbles, int64_t isa, at::Tensor& out) {
   TORCH_CHECK(isa >= kGeneric && isa <= kAmx, "isa must be 0, 1, 2 or 3");
   TORCH_CHECK(runnable(static_cast<Isa>(isa)), "this build or process has no pass ", isa);
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
@@ -703,15 +806,24 @@ void packed_quantized_matmul(const at::Tensor& x, const at::Tensor& codes, const
   TORCH_CHECK(out.scalar_type() == x.scalar_type() && out.stride(1) == 1, "out must be x's dtype");
   Problem p{};
   p.rows = x.size(0);
-  p.padded_rows = uses_amx(static_cast<Isa>(isa), p.rows) ? (p.rows + kAmxRows - 1) / kAmxRows * kAmxRows : p.rows;
+  // The AMX pass reads whole tiles of activation rows.
+  const int64_t row_multiple = uses_amx(static_cast<Isa>(isa), p.rows) ? amx_tile_rows(p.rows) : 1;
+  p.padded_rows = (p.rows + row_multiple - 1) / row_multiple * row_multiple;
   p.in_features = x.size(1);
   p.out_features = out_features;
-  p.padded_features = (p.in_features + kActBlock - 1) / kActBlock * kActBlock;
+  const bool one_group_a_row = group_size >= p.in_features;
+  TORCH_CHECK(one_group_a_row || group_size == 16 || group_size % kActBlock == 0,
+      "groups must be 16 features, a multiple of 32, or whole rows");
+  TORCH_CHECK(act_block == kActBlock || (one_group_a_row && act_block > 0 && act_block % kAmxStep == 0),
+      "act_block must be 32, or a multiple of 64 for a weight of one group a row");
+  const int64_t feature_multiple = act_block == kActBlock ? kActBlock : kAmxStep;
+  p.padded_features = (p.in_features + feature_multiple - 1) / feature_multiple * feature_multiple;
   p.group_size = std::min(group_size, p.padded_features);
   p.num_groups = scale.size(1);
-  p.span = p.group_size == 16 ? 16 : kActBlock;
-  TORCH_CHECK(p.group_size == 16 || p.group_size % kActBlock == 0 || group_size >= p.in_features,
-      "groups must be 16 features, a multiple of 32, or whole rows");
+  p.act_block = act_block;
+  p.act_blocks = (p.padded_features + act_block - 1) / act_block;
+  p.span = !one_group_a_row && group_size == 16 ? 16 : act_block;
+  p.spans = (p.padded_features + p.span - 1) / p.span;
   p.nibbles = nibbles;
   p.has_offset = offset.has_value();
   p.isa = static_cast<Isa>(isa);
@@ -741,7 +853,7 @@ std::vector<int64_t> quantized_matmul_isas() {
 TORCH_LIBRARY_FRAGMENT(paged_llm_cpu, m) {
   m.def(
       "packed_quantized_matmul(Tensor x, Tensor codes, Tensor scale, Tensor? offset, "
-      "int out_features, int group_size, bool nibbles, int isa, Tensor(a!) out) -> ()");
+      "int out_features, int group_size, int act_block, bool nibbles, int isa, Tensor(a!) out) -> ()");
   m.def("quantized_matmul_isas() -> int[]");
   m.impl("packed_quantized_matmul", c10::DispatchKey::CPU, &packed_quantized_matmul);
   m.impl("quantized_matmul_isas", c10::DispatchKey::CatchAll, &quantized_matmul_isas);

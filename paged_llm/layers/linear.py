@@ -73,6 +73,9 @@ class Linear(nn.Linear):
     float32_gemm: bool = False
     # False for a layer whose weight is only looked up (the embedding): nothing to pack.
     multiplies: ClassVar[bool] = True
+    # Whether its input features are split over the ranks (at multiples of 32), whatever
+    # their number (see `QuantizableLayer`).
+    input_is_split: ClassVar[bool] = False
     # The LoRA adapters added to its output, where the engine serves adapters.
     lora: LoRASlots | None = None
 
@@ -351,6 +354,8 @@ class PackedLinear(Linear):
 class RowParallelLinear(Linear):
     """A projection whose input features are split over the ranks (the attention output
     and MLP down projections): each rank multiplies its share, one all-reduce sums them."""
+
+    input_is_split = True
 
     def __init__(
         self,

@@ -70,5 +70,6 @@ def test_each_rank_looks_up_and_scores_its_own_rows(quantization: str | None, ra
         logits = head._matmul(x, None)
     torch.testing.assert_close(looked_up, rows[[3, 0, 2, 1]], rtol=0, atol=0)
     # On CPU a quantized LM head multiplies activations rounded to int8 per block.
-    multiplied = x if quantization is None else round_inputs(x)
+    group_size = {None: None, "int8": None, "gguf": 32}[quantization]
+    multiplied = x if quantization is None else round_inputs(x, group_size)
     torch.testing.assert_close(logits, multiplied @ rows.T, rtol=1e-5, atol=1e-5)

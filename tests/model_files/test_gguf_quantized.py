@@ -84,7 +84,7 @@ def test_a_layer_multiplies_projections_of_different_types() -> None:
     process_weights_after_loading(layer)
     x = torch.randn(3, 256)
     dequantized = [gguf_dequantized(raw, name) for name, raw in zip(types, blocks, strict=True)]
-    expected = F.linear(round_inputs(x), torch.cat(dequantized))
+    expected = F.linear(round_inputs(x, GGUF_GROUP), torch.cat(dequantized))
     with torch.no_grad():
         torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
 
@@ -107,6 +107,8 @@ def quantized_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, s
 # The reference's modules that the file stores quantized: their inputs are rounded as the
 # CPU kernels round them.
 QUANTIZED_MATMULS = (*PROJECTIONS, "lm_head")
+# Every GGUF type these tests write has groups (16 or 32 features), none one a row.
+GGUF_GROUP = 32
 PROMPTS = [[5 + 7 * i + j for j in range(6 + 5 * i)] for i in range(4)]
 
 
@@ -115,7 +117,9 @@ def test_greedy_and_logprobs_match_transformers_on_ggufs_dequantized_weights(
     arch: str, type_name: str, quantized_gguf: Callable[[str, str], Path], cache: Path
 ) -> None:
     path = quantized_gguf(arch, type_name)
-    reference = round_inputs_of(load_converted(resolve_model(path).path), QUANTIZED_MATMULS)
+    reference = round_inputs_of(
+        load_converted(resolve_model(path).path), QUANTIZED_MATMULS, GGUF_GROUP
+    )
     expected = [hf_greedy(reference, prompt, 12) for prompt in PROMPTS]
     with torch.no_grad():
         reference_logprobs = torch.log_softmax(reference(torch.tensor([PROMPTS[3]])).logits[0], -1)

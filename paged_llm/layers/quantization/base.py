@@ -30,6 +30,13 @@ class QuantizableLayer(Protocol):
     quantized_pieces: dict[int, GroupQuantizedWeight | CpuPackedWeight]
 
     @property
+    def input_is_split(self) -> bool:
+        """Whether its input features are split over the ranks (a row-parallel projection),
+        whatever their number: on CPU its activations are then rounded per block of 32,
+        the blocks every split keeps whole, so that each rank rounds as a single rank
+        would."""
+
+    @property
     def num_checkpoint_shards(self) -> int | None:
         """How many checkpoint tensors fill the weight; None: one, under the layer's name."""
 

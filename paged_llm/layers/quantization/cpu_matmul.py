@@ -1,6 +1,6 @@
 """Quantized matmuls on CPU, W8A8: the activations are quantized to int8 per block of
-`ACT_BLOCK` features (``d = amax / 127``, ``q = round(x * 127 / amax)``, llama.cpp's Q8_0
-activations) and multiplied by the weight's integer codes, so every route computes
+`activation_block` features (``d = amax / 127``, ``q = round(x * 127 / amax)``, llama.cpp's
+Q8_0 activations) and multiplied by the weight's integer codes, so every route computes
 ``x̂ @ W.T`` for those rounded rows ``x̂ = d * q``, at any batch size.
 
 A group-quantized weight (GGUF, GPTQ, AWQ, compressed-tensors) or a per-channel int8 one is
@@ -22,11 +22,21 @@ import torch.nn.functional as F
 import csrc_cpu
 from paged_llm.layers.quantization.grouped_weight import GroupQuantizedWeight
 
-# Features that share one activation scale (llama.cpp's Q8_0 block). Measured on
-# SmolLM2-135M-Instruct (`python -m benchmarks.perplexity`): int8 weights with one scale per
-# activation row scored 36.04 (+4.0% on float32's 34.65), with one per 32 features 34.92
-# (+0.8%); see docs/quantization.md.
+# Features that share one activation scale (llama.cpp's Q8_0 block) before a
+# group-quantized weight, whose scales change every group anyway.
 ACT_BLOCK = 32
+# The same before a weight of one group (scale) a row whose layer holds its whole input,
+# whose integer sums can then run over 128 features before they are scaled: the AMX pass's
+# tile products take 64 at a time, and each scaling cost as much as a product. A layer
+# whose input is split over ranks (o and down) keeps blocks of 32, which every split keeps
+# whole, whatever the number of ranks; the down projection's input carries the outliers.
+# Perplexity of SmolLM2-135M-Instruct with int8 weights against float32 on 3,513 tokens of
+# docs/architecture.md, with every layer's block one size: +0.38% per 32, +0.78% per 64,
+# +1.30% per 128, +2.32% per 256, +3.9% per row; see docs/quantization.md.
+ROW_ACT_BLOCK = 128
+# What features are padded to where activation blocks are wider than 32: AMX's widest
+# tile product.
+_WIDE_FEATURE_MULTIPLE = 64
 # Output rows one packed vector holds (an AVX-512 register's 16 int32 lanes).
 ROWS_PER_BLOCK = 16
 # Weight rows the torch route dequantizes at a time (an LM head never whole in float32).
@@ -45,12 +55,20 @@ def kernel_isa() -> str | None:
     return None if fastest == "generic" else fastest
 
 
+def activation_block(group_size: int, num_features: int, input_is_split: bool) -> int:
+    """Features that share one activation scale before a weight of groups of ``group_size``
+    over ``num_features``, in a layer whose input is split over ranks or not."""
+    one_group_a_row = group_size >= num_features
+    return ROW_ACT_BLOCK if one_group_a_row and not input_is_split else ACT_BLOCK
+
+
 @dataclass(frozen=True)
 class CpuPackedWeight:
     """A group-quantized weight in csrc_cpu's packed layout (quantized_matmul.cpp): codes
     ``[row blocks, bytes]`` (16 rows x 8 features of 4-bit pairs, or 16 x 4 int8, per 64
     bytes), scale and offset ``[row blocks, groups, 16]``; rows padded to a multiple of 16
-    and features to one of 32 with zero codes."""
+    and features to one of 32 (64 where its `act_block` is wider) with zero codes.
+    ``act_block``: the features that share one activation scale (`activation_block`)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -58,6 +76,7 @@ class CpuPackedWeight:
     shape: tuple[int, int]
     group_size: int
     nibbles: bool
+    act_block: int
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -99,11 +118,15 @@ def packable(weight: GroupQuantizedWeight) -> bool:
     )
 
 
-def pack(weight: GroupQuantizedWeight) -> CpuPackedWeight:
-    """``weight`` in the kernel's layout (needs `packable`)."""
+def pack(weight: GroupQuantizedWeight, input_is_split: bool) -> CpuPackedWeight:
+    """``weight`` in the kernel's layout (needs `packable`), for a layer whose input is
+    split over ranks or not."""
     num_rows, num_features = weight.shape
     padded_rows = -num_rows % ROWS_PER_BLOCK
-    padded_features = -num_features % ACT_BLOCK
+    act_block = activation_block(weight.group_size, num_features, input_is_split)
+    padded_features = -num_features % (
+        ACT_BLOCK if act_block == ACT_BLOCK else _WIDE_FEATURE_MULTIPLE
+    )
     blocks = (num_rows + padded_rows) // ROWS_PER_BLOCK
     if weight.nibbles:
         codes = torch.stack([weight.codes & 0x0F, weight.codes >> 4], dim=-1).flatten(1)
@@ -129,6 +152,7 @@ def pack(weight: GroupQuantizedWeight) -> CpuPackedWeight:
         weight.shape,
         weight.group_size,
         weight.nibbles,
+        act_block,
     )
 
 
@@ -141,6 +165,7 @@ def concatenated(first: CpuPackedWeight, second: CpuPackedWeight) -> CpuPackedWe
         and first.shape[1] == second.shape[1]
         and first.group_size == second.group_size
         and first.nibbles == second.nibbles
+        and first.act_block == second.act_block
         and first.scale.shape[1] == second.scale.shape[1]
         and (first.offset is None) == (second.offset is None)
     ):
@@ -155,38 +180,50 @@ def concatenated(first: CpuPackedWeight, second: CpuPackedWeight) -> CpuPackedWe
         (first.shape[0] + second.shape[0], first.shape[1]),
         first.group_size,
         first.nibbles,
+        first.act_block,
     )
 
 
-def rounded_activations(x: torch.Tensor) -> torch.Tensor:
+def rounded_activations(x: torch.Tensor, block: int) -> torch.Tensor:
     """``x̂ = d * q`` in float32: ``x`` rounded as the kernel rounds it, per block of
-    `ACT_BLOCK` features (the last block may be shorter)."""
+    ``block`` features (the last block may be shorter)."""
     num_rows, num_features = x.shape
-    padding = -num_features % ACT_BLOCK
-    blocks = F.pad(x.float(), (0, padding)).view(num_rows, -1, ACT_BLOCK)
+    padding = -num_features % block
+    blocks = F.pad(x.float(), (0, padding)).view(num_rows, -1, block)
     amax = blocks.abs().amax(dim=2, keepdim=True)
     inverse = torch.where(amax > 0, _CODE_MAX / amax, torch.zeros_like(amax))
     codes = torch.round(blocks * inverse).clamp_(-_CODE_MAX, _CODE_MAX)
     return (codes * (amax / _CODE_MAX)).view(num_rows, -1)[:, :num_features]
 
 
-def matmul(x: torch.Tensor, weight: CpuPackedWeight | GroupQuantizedWeight) -> torch.Tensor:
-    """``x̂ @ W.T`` in ``x``'s dtype: through the kernel for a packed weight, else by
-    dequantizing `DEQUANTIZED_ROWS` rows at a time in torch."""
+def packed_matmul(x: torch.Tensor, weight: CpuPackedWeight, isa: str) -> torch.Tensor:
+    """``x̂ @ W.T`` in ``x``'s dtype by the kernel's pass ``isa`` (one of
+    `csrc_cpu.quantized_matmul_isas`)."""
+    return csrc_cpu.packed_quantized_matmul(
+        x.contiguous(),
+        weight.codes,
+        weight.scale,
+        weight.offset,
+        weight.shape[0],
+        weight.group_size,
+        weight.act_block,
+        weight.nibbles,
+        isa,
+    )
+
+
+def matmul(
+    x: torch.Tensor, weight: CpuPackedWeight | GroupQuantizedWeight, input_is_split: bool
+) -> torch.Tensor:
+    """``x̂ @ W.T`` in ``x``'s dtype, in a layer whose input is split over ranks or not:
+    through the kernel for a packed weight, else by dequantizing `DEQUANTIZED_ROWS` rows at
+    a time in torch."""
     if isinstance(weight, CpuPackedWeight):
         isa = kernel_isa()
         assert isa is not None, "a weight is packed only where the kernel runs"
-        return csrc_cpu.packed_quantized_matmul(
-            x.contiguous(),
-            weight.codes,
-            weight.scale,
-            weight.offset,
-            weight.shape[0],
-            weight.group_size,
-            weight.nibbles,
-            isa,
-        )
-    rounded = rounded_activations(x)
+        return packed_matmul(x, weight, isa)
+    block = activation_block(weight.group_size, weight.shape[1], input_is_split)
+    rounded = rounded_activations(x, block)
     num_rows = weight.shape[0]
     blocks = [
         F.linear(

@@ -91,7 +91,7 @@ class GroupQuantizedLinearMethod(QuantizedLinearMethod):
         packed: list[GroupQuantizedWeight | CpuPackedWeight] = []
         for piece in layer.quantized_pieces.values():
             if isinstance(piece, GroupQuantizedWeight) and cpu_matmul.packable(piece):
-                piece = cpu_matmul.pack(piece)
+                piece = cpu_matmul.pack(piece, layer.input_is_split)
             previous = packed[-1] if packed else None
             joined = (
                 cpu_matmul.concatenated(previous, piece)
@@ -112,19 +112,22 @@ class GroupQuantizedLinearMethod(QuantizedLinearMethod):
     def apply(
         self, layer: QuantizableLayer, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        outputs = [self._multiply(x, piece) for piece in layer.quantized_pieces.values()]
+        outputs = [self._multiply(layer, x, piece) for piece in layer.quantized_pieces.values()]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         return out if bias is None else out.add_(bias)
 
     def _multiply(
-        self, x: torch.Tensor, piece: GroupQuantizedWeight | CpuPackedWeight
+        self,
+        layer: QuantizableLayer,
+        x: torch.Tensor,
+        piece: GroupQuantizedWeight | CpuPackedWeight,
     ) -> torch.Tensor:
         if self.triton and isinstance(piece, GroupQuantizedWeight) and piece.group_index is None:
             out: torch.Tensor = triton_kernels().group_quantized_matmul(
                 x, piece.codes, piece.scale, piece.offset, piece.group_size
             )
             return out
-        return cpu_matmul.matmul(x, piece)
+        return cpu_matmul.matmul(x, piece, layer.input_is_split)
 
     def embedding(
         self, layer: QuantizableLayer, token_ids: torch.Tensor, dtype: torch.dtype

@@ -4,32 +4,49 @@ the input of each quantized layer."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
-from paged_llm.layers.quantization.cpu_matmul import rounded_activations
+from paged_llm.layers.quantization.cpu_matmul import activation_block, rounded_activations
 
 # A decoder layer's quantized matmuls, by transformers' module names.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Those paged_llm runs as row-parallel layers, their input split over ranks.
+SPLIT_INPUT_PROJECTIONS = ("o_proj", "down_proj")
 
 
-def round_inputs(x: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[..., K]`` rounded as the CPU kernels round each row."""
-    return rounded_activations(x.reshape(-1, x.shape[-1])).view(x.shape).to(x.dtype)
+def round_inputs(
+    x: torch.Tensor, group_size: int | None, input_is_split: bool = False
+) -> torch.Tensor:
+    """``x`` ``[..., K]`` rounded as the CPU kernels round each row before a weight of
+    groups of ``group_size`` features (None: one group a row), in a layer whose input is
+    split over ranks or not."""
+    num_features = x.shape[-1]
+    block = activation_block(group_size or num_features, num_features, input_is_split)
+    return rounded_activations(x.reshape(-1, num_features), block).view(x.shape).to(x.dtype)
 
 
-def round_inputs_of(model: torch.nn.Module, names: Iterable[str]) -> torch.nn.Module:
+def round_inputs_of(
+    model: torch.nn.Module, names: Iterable[str], group_size: int | None
+) -> torch.nn.Module:
     """``model`` with the input of every module whose last name is in ``names`` rounded
-    (a forward pre-hook), as paged_llm's CPU path multiplies it."""
+    (a forward pre-hook), as paged_llm's CPU path multiplies it by weights of groups of
+    ``group_size`` (None: one group a row)."""
     wanted = set(names)
 
-    def hook(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        return (round_inputs(args[0]), *args[1:])
+    def hook(input_is_split: bool) -> Callable[..., tuple[torch.Tensor, ...]]:
+        def round_first(
+            _module: torch.nn.Module, args: tuple[torch.Tensor, ...]
+        ) -> tuple[torch.Tensor, ...]:
+            return (round_inputs(args[0], group_size, input_is_split), *args[1:])
+
+        return round_first
 
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in wanted:
-            module.register_forward_pre_hook(hook)
+        last = name.rsplit(".", 1)[-1]
+        if last in wanted:
+            module.register_forward_pre_hook(hook(last in SPLIT_INPUT_PROJECTIONS))
     return model
 
 

@@ -53,14 +53,14 @@ def compress_with_the_library(model_dir: Path, scheme: str, out: Path) -> None:
     write_compressed_checkpoint(model_dir, out, bits, symmetric, group_size, compression)
 
 
-def transformers_reference(model_dir: Path) -> transformers.PreTrainedModel:
-    """transformers' own loading of the checkpoint, decompressed to float weights, with
-    the projections' inputs rounded as paged_llm's CPU kernels round them."""
+def transformers_reference(model_dir: Path, scheme: str) -> transformers.PreTrainedModel:
+    """transformers' own loading of ``scheme``'s checkpoint, decompressed to float weights,
+    with the projections' inputs rounded as paged_llm's CPU kernels round them."""
     config = transformers.CompressedTensorsConfig(dequantize=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, quantization_config=config
     )
-    return round_inputs_of(model, PROJECTIONS).eval()
+    return round_inputs_of(model, PROJECTIONS, SCHEMES[scheme][2]).eval()
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_logits_and_greedy_tokens_match_transformers_loading_the_checkpoint(
     tokenizer: transformers.PreTrainedTokenizerBase,
 ) -> None:
     path = compressed_model_dir(scheme)
-    reference = transformers_reference(path)
+    reference = transformers_reference(path, scheme)
     float_model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
     prompts = _prompts(tokenizer)[:NUM_PROMPTS]
     prompt = prompts[1][:48]
@@ -149,7 +149,7 @@ def test_two_ranks_split_codes_scales_and_zero_points(
     prompts = _prompts(tokenizer)[:NUM_PROMPTS]
     for scheme in DEFAULT_RUN_SCHEMES:
         path = compressed_model_dir(scheme)
-        reference = transformers_reference(path)
+        reference = transformers_reference(path, scheme)
         expected = [hf_greedy(reference, p, MAX_TOKENS) for p in prompts]
         settings = {"quantization": "compressed-tensors", "tensor_parallel_size": 2}
         with LLM(path, max_model_len=256, **settings) as llm:
@@ -163,10 +163,11 @@ def test_the_quantized_path_keeps_chunking_preemption_and_prefix_hits(
     compressed_model_dir: Callable[[str], Path],
     tokenizer: transformers.PreTrainedTokenizerBase,
 ) -> None:
-    path = compressed_model_dir("w4-group32-asym-packed")
+    scheme = "w4-group32-asym-packed"
+    path = compressed_model_dir(scheme)
     settings, shared_prefix = group_settings(path, group)
     prompts = _shared_prefix_prompts(tokenizer) if shared_prefix else _prompts(tokenizer)
-    reference = transformers_reference(path)
+    reference = transformers_reference(path, scheme)
     expected = [
         hf_greedy(reference, p, n) for p, n in zip(prompts, SCENARIO_MAX_TOKENS, strict=True)
     ]

@@ -19,13 +19,17 @@ ISAS = csrc_cpu.quantized_matmul_isas()
 BOUND = 1e-5
 
 
-def reference(x: torch.Tensor, weight: GroupQuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x̂ @ W.T`` in float64, with x̂ rounded per block of 32 as the kernel documents
-    (written out here, not `cpu_matmul.rounded_activations`), and the scale of its
-    rounding error (``|x̂| @ |W|.T``)."""
+def reference(
+    x: torch.Tensor, weight: GroupQuantizedWeight, input_is_split: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x̂ @ W.T`` in float64, with x̂ rounded as the kernel documents (written out here,
+    not `cpu_matmul.rounded_activations`): per block of 32 features, or of 128 before a
+    weight of one group a row in a layer whose input is not split over ranks, the last
+    block shorter; and the scale of its rounding error (``|x̂| @ |W|.T``)."""
     num_rows, num_features = x.shape
-    padded = torch.nn.functional.pad(x.float(), (0, -num_features % 32))
-    blocks = padded.view(num_rows, -1, 32)
+    block = 128 if weight.group_size >= num_features and not input_is_split else 32
+    padded = torch.nn.functional.pad(x.float(), (0, -num_features % block))
+    blocks = padded.view(num_rows, -1, block)
     amax = blocks.abs().amax(dim=2, keepdim=True)
     inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
     codes = torch.round(blocks * inverse).clamp(-127, 127)
@@ -46,18 +50,10 @@ def random_weight(
     return GroupQuantizedWeight.from_codes(codes, scale, zero, bits)
 
 
-def packed_matmul(x: torch.Tensor, weight: GroupQuantizedWeight, isa: str) -> torch.Tensor:
-    packed = cpu_matmul.pack(weight)
-    return csrc_cpu.packed_quantized_matmul(
-        x,
-        packed.codes,
-        packed.scale,
-        packed.offset,
-        weight.shape[0],
-        weight.group_size,
-        weight.nibbles,
-        isa,
-    )
+def packed_matmul(
+    x: torch.Tensor, weight: GroupQuantizedWeight, isa: str, input_is_split: bool = False
+) -> torch.Tensor:
+    return cpu_matmul.packed_matmul(x, cpu_matmul.pack(weight, input_is_split), isa)
 
 
 # (bits, group size: 0 for one group a row).
@@ -115,6 +111,22 @@ def test_bfloat16_activations_give_bfloat16_results_of_the_same_sums(isa: str) -
     torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-6)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("rows", "in_features"), [(3, 96), (20, 160), (37, 256)])
+def test_a_layer_whose_input_is_split_rounds_per_32_before_a_per_row_weight(
+    isa: str, rows: int, in_features: int
+) -> None:
+    """A row-parallel layer's rank holds a slice of the input cut at a multiple of 32: its
+    blocks stay 32 wide, as a single rank's do, where a whole input takes blocks of 128."""
+    torch.manual_seed(rows)
+    weight = random_weight(24, in_features, 8, in_features, offset=False)
+    x = torch.randn(rows, in_features) * 3
+    for input_is_split in (True, False):
+        out = packed_matmul(x, weight, isa, input_is_split)
+        expected, scale = reference(x, weight, input_is_split)
+        assert ((out.double() - expected).abs() <= BOUND * scale + 1e-30).all()
+
+
 def test_zero_activations_give_zero() -> None:
     weight = random_weight(9, 64, 4, 32, offset=True)
     assert (packed_matmul(torch.zeros(2, 64), weight, ISAS[0]) == 0).all()
@@ -127,20 +139,24 @@ def test_packed_rows_unpack_to_the_same_codes_and_weights(
     bits: int, group_size: int, in_features: int
 ) -> None:
     weight = random_weight(21, in_features, bits, group_size, offset=bits != 8)
-    packed = cpu_matmul.pack(weight)
+    packed = cpu_matmul.pack(weight, input_is_split=False)
     rows = torch.tensor([20, 0, 17, 5])
     assert torch.equal(
         packed.dequantize_rows(rows, torch.float32), weight.dequantize(torch.float32)[rows]
     )
 
 
-def test_the_torch_route_computes_the_same_product() -> None:
+@pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (8, 192)])
+@pytest.mark.parametrize("input_is_split", [False, True])
+def test_the_torch_route_computes_the_same_product(
+    bits: int, group_size: int, input_is_split: bool
+) -> None:
     """Where the kernel cannot run (act-order groups, no C++ build) torch multiplies the
     same rounded activations."""
     torch.manual_seed(2)
-    weight = random_weight(70, 192, 4, 32, offset=True)
+    weight = random_weight(70, 192, bits, group_size, offset=bits != 8)
     x = torch.randn(6, 192)
-    expected, scale = reference(x, weight)
-    for route in (weight, cpu_matmul.pack(weight)):
-        out = cpu_matmul.matmul(x, route)
+    expected, scale = reference(x, weight, input_is_split)
+    for route in (weight, cpu_matmul.pack(weight, input_is_split)):
+        out = cpu_matmul.matmul(x, route, input_is_split)
         assert ((out.double() - expected).abs() <= BOUND * scale + 1e-12).all()

@@ -171,7 +171,10 @@ def quantized_checkpoint(
         config["quantization_config"] = quantization_config(method, group_size, act_order)
         (path / "config.json").write_text(json.dumps(config))
         transformers.AutoTokenizer.from_pretrained(source).save_pretrained(path)
-        made[name] = (path, round_inputs_of(model, _PROJECTIONS).eval())
+        made[name] = (
+            path,
+            round_inputs_of(model, _PROJECTIONS, None if group_size == -1 else group_size).eval(),
+        )
         return made[name]
 
     return make
