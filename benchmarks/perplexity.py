@@ -3,16 +3,20 @@ lossy paths (quantized weights, an fp8 KV cache), compared against float32 on th
 
     python -m benchmarks.perplexity                      # SmolLM2, float32
     python -m benchmarks.perplexity --dtype bfloat16
-    python -m benchmarks.perplexity --kv-cache-dtype fp8   # once that lands
+    python -m benchmarks.perplexity --kv-cache-dtype fp8
+    python -m benchmarks.perplexity --text-file docs/architecture.md --max-chars 12000
 
-The text is `benchmarks.prompts.SHARED_SYSTEM_PROMPT` (562 tokens of plain English); every
-token after the first is scored given all tokens before it, in windows of ``window`` tokens.
+The text is `benchmarks.prompts.SHARED_SYSTEM_PROMPT` (562 tokens of plain English), or the
+first ``--max-chars`` characters of ``--text-file`` (a longer text steadies a comparison of
+roundings: one code flipped can move a short text's score by half a percent); every token
+after the first is scored given all tokens before it, in windows of ``window`` tokens.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 from benchmarks.prompts import SHARED_SYSTEM_PROMPT
 from paged_llm import LLM, SamplingParams
@@ -60,7 +64,12 @@ def main() -> None:
         "(none: what LLM loads by default, the GGUF kept quantized)",
     )
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--text-file", type=Path, help="score this file's text instead")
+    parser.add_argument("--max-chars", type=int, help="of --text-file, the first this many")
     args = parser.parse_args()
+    text = SHARED_SYSTEM_PROMPT
+    if args.text_file is not None:
+        text = args.text_file.read_text()[: args.max_chars]
     with LLM(
         args.model,
         dtype=args.dtype,
@@ -68,7 +77,10 @@ def main() -> None:
         quantization=None if args.quantization == "none" else args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
     ) as llm:
-        print(f"perplexity: {perplexity(llm, text_token_ids(llm), args.window):.4f}")
+        token_ids = text_token_ids(llm, text)
+        print(
+            f"perplexity: {perplexity(llm, token_ids, args.window):.4f} ({len(token_ids)} tokens)"
+        )
 
 
 if __name__ == "__main__":

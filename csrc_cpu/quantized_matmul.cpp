@@ -1,5 +1,5 @@
 // Matmul by a group-quantized weight on CPU, with the activations quantized to int8 per
-// block of 32 features and integer dot products (llama.cpp's route for its Q4 / Q8 types,
+// block of features and integer dot products (llama.cpp's route for its Q4 / Q8 types,
 // and oneDNN's for int8 GEMMs): the weight's float values are never made, not even a tile.
 //
 // The weight, W[n, k] = scale[n, g] * code[n, k] + offset[n, g] with g = k / group_size,
@@ -11,7 +11,7 @@
 //   8-bit codes: blocks of 16 rows x 4 features; byte 4 * l + j is code(n0 + l, k0 + j),
 //                signed;
 // blocks in the order [row block][feature block]; scales and offsets [row block][group][16].
-// Rows are padded to a multiple of 16 and features to one of 32 with zero codes.
+// Rows are padded to a multiple of 16 and features (below) with zero codes.
 //
 // Each activation row is quantized per block of A features (the caller's act_block: 32 for
 // group-quantized weights, a multiple of 64 for weights of one group a row; a row's last
@@ -24,8 +24,8 @@
 // AMX's widest tile step) and a span ends there at the latest.
 // The integer sums are exact; the passes differ only in the order of float32 additions.
 //
-// Passes: AMX (tile products of 16 activation rows by 16 output rows by a span, from
-// kAmxMinRows rows; the VNNI pass below), AVX-512 with VNNI (vpdpbusd: 64 byte products per
+// Passes: AMX (tile products of 16 activation rows by 16 output rows by up to 64 features,
+// from kAmxMinRows rows; the VNNI pass below), AVX-512 with VNNI (vpdpbusd: 64 byte products per
 // instruction; 8-bit codes are made unsigned by adding 128, and 128 times the activations'
 // sum is taken off) and AVX2 (vpmaddubsw + vpmaddwd; 8-bit codes move their sign onto the
 // activation, so the products fit 16 bits); generic loops everywhere else.
@@ -47,8 +47,6 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
-#include <tuple>
-#include <utility>
 #include <vector>
 
 #include "convert.h"

@@ -154,7 +154,10 @@ class Sampler:
     def _sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """``[B]`` token ids from constrained logits, with out-of-place ops only."""
         logits = apply_penalties(logits, metadata)
-        token_ids = logits.argmax(dim=-1)
+        # max's indices are argmax's (the first maximum of a row), and on CPU in well under
+        # half its time: [64, 49152] float32 logits 0.87 ms against 2.3, bfloat16 1.25 ms
+        # against 6.0 (2 threads), 7% of a bfloat16 decode step at batch 64.
+        token_ids = logits.max(dim=-1).indices
         if not metadata.all_greedy:
             temperature = metadata.temperature
             is_random = temperature > 0

@@ -242,3 +242,19 @@ def test_a_step_without_masks_skips_the_empty_row_check() -> None:
     )
     output = Sampler()(torch.tensor([[0.0, 3.0, 1.0]]), metadata)
     assert output.no_token is None and output.token_ids.tolist() == [1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_takes_the_first_of_tied_maxima(dtype: torch.dtype) -> None:
+    """As transformers' argmax does, on rows of many ties (wider than a vector)."""
+    torch.manual_seed(0)
+    logits = torch.randint(0, 3, (64, 300)).to(dtype)
+    metadata = SamplingMetadata(
+        temperature=torch.zeros(64),
+        seeds=torch.zeros(64, dtype=torch.int64),
+        counters=torch.zeros(64, dtype=torch.int64),
+        all_greedy=True,
+    )
+    tokens = Sampler()(logits, metadata).token_ids
+    first_maxima = [row.tolist().index(row.max().item()) for row in logits]
+    assert tokens.tolist() == first_maxima
