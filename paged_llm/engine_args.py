@@ -247,7 +247,7 @@ class EngineArgs:
         'to int8 with one scale per output channel; `"fp8"` (CUDA GPUs of compute capability '
         '8.9 or later only) to `float8_e4m3fn` with one scale per output channel; `"gguf"` '
         "keeps a .gguf file's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights quantized. On CPU "
-        "quantized matmuls round their input to int8 per 32 features (W8A8). With int8, fp8 "
+        "quantized matmuls round their input to int8 per block of features (W8A8). With int8, fp8 "
         "and gguf the embedding and the LM head are quantized too (see `quantize_embeddings`). "
         "Any other value is a ValueError that lists the choices. See docs/quantization.md.",
         cli=CliFlag(aliases=("-q",)),

@@ -31,8 +31,8 @@ ACT_BLOCK = 32
 # whose input is split over ranks (o and down) keeps blocks of 32, which every split keeps
 # whole, whatever the number of ranks; the down projection's input carries the outliers.
 # Perplexity of SmolLM2-135M-Instruct with int8 weights against float32 on 3,513 tokens of
-# docs/architecture.md, with every layer's block one size: +0.38% per 32, +0.78% per 64,
-# +1.30% per 128, +2.32% per 256, +3.9% per row; see docs/quantization.md.
+# docs/architecture.md, with every layer's block one size: +0.32% per 32, +0.72% per 64,
+# +1.25% per 128, +2.27% per 256, +3.85% per 1,024; see docs/quantization.md.
 ROW_ACT_BLOCK = 128
 # What features are padded to where activation blocks are wider than 32: AMX's widest
 # tile product.

@@ -63,6 +63,7 @@ LAYOUTS = [
     (8, 32),  # Q8_0
     (4, 128),  # GPTQ / AWQ group 128
     (8, 0),  # int8 per channel
+    (4, 0),  # GPTQ / compressed-tensors int4 per channel
     (4, 64),
 ]
 # (rows, out_features, in_features): row counts past a tile (16 on AMX, 6 and 8 on AVX-512,
