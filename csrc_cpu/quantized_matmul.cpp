@@ -25,7 +25,7 @@
 // The integer sums are exact; the passes differ only in the order of float32 additions.
 //
 // Passes: AMX (tile products of 16 activation rows by 16 output rows by up to 64 features,
-// from kAmxMinRows rows; the VNNI pass below), AVX-512 with VNNI (vpdpbusd: 64 byte products per
+// from kAmxMinRows rows, kAmxMinRowsNibbles for 4-bit codes; the VNNI pass below), AVX-512 with VNNI (vpdpbusd: 64 byte products per
 // instruction; 8-bit codes are made unsigned by adding 128, and 128 times the activations'
 // sum is taken off) and AVX2 (vpmaddubsw + vpmaddwd; 8-bit codes move their sign onto the
 // activation, so the products fit 16 bits); generic loops everywhere else.
@@ -523,7 +523,7 @@ void amx_tile(const Problem& p, const QuantizedActivations& a, const uint8_t* co
 // Rows m0 .. m0 + 32 (past M: zero codes and scales) by two row blocks, into result
 // [32 rows][32 outputs]: sum tiles 0-3 take rows 0-15 and 16-31 (activation tiles 4, 5)
 // by blocks 0 and 1 (code tiles 6, 7), so each tile loaded feeds two products, where
-// amx_tile's feed one (its loads bound it, as many cycles as the products). The sums are
+// amx_tile's feed one (leaving its code loads out cut its time by a third). The sums are
 // scaled into `result` each span, there being no registers for 32 x 32 accumulators.
 template <bool kNibbles>
 void amx_tile_pair(const Problem& p, const QuantizedActivations& a, const uint8_t* codes,
@@ -715,12 +715,16 @@ struct PassKernels {
 };
 
 // Activation rows from which the AMX pass takes a matmul: it computes whole tiles of 16
-// rows, and below 12 the VNNI pass's tiles of the rows there are were as fast or faster
-// (SmolLM2's gate_up, 2 threads: Q4_1 at 10 rows 64 us VNNI, 89 AMX; int8 at 12 rows 80
-// VNNI, 63 AMX).
+// rows, and below these the VNNI pass's tiles of the rows there are were as fast or faster
+// (SmolLM2's gate_up and down, 2 threads, us AMX / VNNI: int8 at 12 rows 66 / 79 and
+// 43 / 51; Q4_1, whose codes AMX unpacks first, at 32 rows 188 / 195 and 136 / 122, at
+// 48 rows 282 / 276 and 172 / 170, at 64 rows 351 / 378 and 200 / 222).
 constexpr int64_t kAmxMinRows = 12;
+constexpr int64_t kAmxMinRowsNibbles = 48;
 
-bool uses_amx(Isa isa, int64_t rows) { return isa == kAmx && rows >= kAmxMinRows; }
+bool uses_amx(const Problem& p) {
+  return p.isa == kAmx && p.rows >= (p.nibbles ? kAmxMinRowsNibbles : kAmxMinRows);
+}
 
 // Activation rows the AMX pass's tiles take at a time: two tiles of 16 (amx_tile_pair)
 // from 17 rows where a span takes 64 features or more; else one (amx_tile: up to 16 rows
@@ -732,7 +736,7 @@ int64_t amx_tile_rows(const Problem& p) { return p.rows > kAmxRows && p.span >= 
 
 PassKernels pass(const Problem& p) {
 #if defined(PAGED_LLM_AMX)
-  if (uses_amx(p.isa, p.rows)) {
+  if (uses_amx(p)) {
     const TileKernel one{p.nibbles ? amx_tile<true> : amx_tile<false>, kAmxRows, 1};
     if (amx_tile_rows(p) == kAmxRows) return {one, one, amx_configure, amx_release};
     return {{p.nibbles ? amx_tile_pair<true> : amx_tile_pair<false>, 2 * kAmxRows, 2}, one, amx_configure,
@@ -794,7 +798,7 @@ void matmul_impl(const Problem& p, const at::Tensor& x, const at::Tensor& codes,
 // out [M, N] (x's dtype) = x [M, K] (float32 or bfloat16, rows contiguous) times the
 // transposed weight packed as above (codes [N16 / 16, bytes] uint8, scale and offset
 // [N16 / 16, groups, 16] float32), activations quantized per act_block features. `isa`: 0 generic, 1 AVX2, 2 AVX-512 VNNI, 3 AMX (with
-// the VNNI pass for fewer than kAmxMinRows rows).
+// the VNNI pass below kAmxMinRows rows, kAmxMinRowsNibbles for 4-bit codes).
 void packed_quantized_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
     const c10::optional<at::Tensor>& offset, int64_t out_features, int64_t group_size, int64_t act_block,
     bool nibbles, int64_t isa, at::Tensor& out) {
@@ -823,12 +827,12 @@ void packed_quantized_matmul(const at::Tensor& x, const at::Tensor& codes, const
   p.act_blocks = (p.padded_features + act_block - 1) / act_block;
   p.span = !one_group_a_row && group_size == 16 ? 16 : act_block;
   p.spans = (p.padded_features + p.span - 1) / p.span;
-  // The AMX pass reads whole tiles of activation rows.
-  const int64_t row_multiple = uses_amx(static_cast<Isa>(isa), p.rows) ? amx_tile_rows(p) : 1;
-  p.padded_rows = (p.rows + row_multiple - 1) / row_multiple * row_multiple;
   p.nibbles = nibbles;
   p.has_offset = offset.has_value();
   p.isa = static_cast<Isa>(isa);
+  // The AMX pass reads whole tiles of activation rows.
+  const int64_t row_multiple = uses_amx(p) ? amx_tile_rows(p) : 1;
+  p.padded_rows = (p.rows + row_multiple - 1) / row_multiple * row_multiple;
   p.row_blocks = codes.size(0);
   p.block_stride = codes.size(1);
   TORCH_CHECK(p.block_stride == p.padded_features * (nibbles ? 8 : 16), "codes do not match x's features");
