@@ -25,10 +25,11 @@
 // The integer sums are exact; the passes differ only in the order of float32 additions.
 //
 // Passes: AMX (tile products of 16 activation rows by 16 output rows by up to 64 features,
-// from kAmxMinRows rows, kAmxMinRowsNibbles for 4-bit codes; the VNNI pass below), AVX-512 with VNNI (vpdpbusd: 64 byte products per
-// instruction; 8-bit codes are made unsigned by adding 128, and 128 times the activations'
-// sum is taken off) and AVX2 (vpmaddubsw + vpmaddwd; 8-bit codes move their sign onto the
-// activation, so the products fit 16 bits); generic loops everywhere else.
+// from kAmxMinRows rows, kAmxMinRowsNibbles for 4-bit codes; the VNNI pass below), AVX-512
+// with VNNI (vpdpbusd: 64 byte products per instruction; 8-bit codes are made unsigned by
+// adding 128, and 128 times the activations' sum is taken off) and AVX2 (vpmaddubsw +
+// vpmaddwd; 8-bit codes move their sign onto the activation, so the products fit 16 bits);
+// generic loops everywhere else.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -214,7 +215,8 @@ void quantize_activation_row(const Problem& p, const T* x, int8_t* q, float* sca
   }
   if (group_sums != nullptr) {
     for (int64_t h = 0; h < Kp / 16; ++h) {
-      group_sums[std::min(16 * h / p.group_size, p.num_groups - 1)] += scales[16 * h / A] * static_cast<float>(half_sums[h]);
+      const int64_t g = std::min(16 * h / p.group_size, p.num_groups - 1);
+      group_sums[g] += scales[16 * h / A] * static_cast<float>(half_sums[h]);
     }
   }
 }
@@ -381,10 +383,10 @@ void avx512_tile(const Problem& p, const QuantizedActivations& a, const uint8_t*
 // 16 output rows (16 x 16 x 64 byte products), where vpdpbusd does 16 x 4; a span of more
 // features takes several into one sum tile. The packed 8-bit layout is already AMX's B
 // operand (row r: 16 outputs x features 4r..4r+3); 4-bit codes are unpacked to it once per
-// row block and thread. Integer sums leave the tiles each span, to be scaled
-// by that span's activation and weight scales in AVX-512 registers, as in the VNNI pass;
-// four spans are in flight at a time (sum tiles 0-3), since one span's chain of tile
-// instructions, store and scaling left the tile unit idle most of the time.
+// row block and thread. Integer sums leave the tiles each span, to be scaled by that
+// span's activation and weight scales with AVX-512, as in the VNNI pass. amx_tile keeps four
+// spans in flight (sum tiles 0-3), since one span's chain of tile instructions, store and
+// scaling left the tile unit idle most of the time; amx_tile_pair takes two row blocks.
 constexpr int64_t kAmxSpansInFlight = 4;
 
 // A thread's 4-bit codes unpacked to AMX's B rows, and the row block they came from: one
@@ -558,7 +560,8 @@ void amx_tile_pair(const Problem& p, const QuantizedActivations& a, const uint8_
     _tile_stored(2, sums[2], kSumRowBytes);
     _tile_stored(3, sums[3], kSumRowBytes);
     const int64_t g = group_of(p, k0), block = k0 / p.act_block;
-    const __m512 s[2] = {_mm512_loadu_ps(scale + g * kRowsPerBlock), _mm512_loadu_ps(scale + group_stride + g * kRowsPerBlock)};
+    const __m512 s[2] = {
+        _mm512_loadu_ps(scale + g * kRowsPerBlock), _mm512_loadu_ps(scale + group_stride + g * kRowsPerBlock)};
     for (int i = 0; i < 4; ++i) {
       const int half = i / 2, j = i % 2;
       for (int r = 0; r < kAmxRows; ++r) {
@@ -797,8 +800,9 @@ void matmul_impl(const Problem& p, const at::Tensor& x, const at::Tensor& codes,
 
 // out [M, N] (x's dtype) = x [M, K] (float32 or bfloat16, rows contiguous) times the
 // transposed weight packed as above (codes [N16 / 16, bytes] uint8, scale and offset
-// [N16 / 16, groups, 16] float32), activations quantized per act_block features. `isa`: 0 generic, 1 AVX2, 2 AVX-512 VNNI, 3 AMX (with
-// the VNNI pass below kAmxMinRows rows, kAmxMinRowsNibbles for 4-bit codes).
+// [N16 / 16, groups, 16] float32), activations quantized per act_block features. `isa`:
+// 0 generic, 1 AVX2, 2 AVX-512 VNNI, 3 AMX (with the VNNI pass below kAmxMinRows rows,
+// kAmxMinRowsNibbles for 4-bit codes).
 void packed_quantized_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
     const c10::optional<at::Tensor>& offset, int64_t out_features, int64_t group_size, int64_t act_block,
     bool nibbles, int64_t isa, at::Tensor& out) {
