@@ -155,34 +155,32 @@ def main(argv: list[str] | None = None) -> None:
     )
     workload = build_workload(spec, tokenizer)
     num_requests = len(workload.requests)
-    # (llama.cpp's label and run, paged_llm's label and run): one sequence at a time, batched.
+    # Run in this order: each engine one sequence at a time, then each batching.
+    one_at_a_time = run_llama_server(args.llama_server, gguf, workload, args.threads, batched=False)
+    paged_one_at_a_time = run_paged_llm(gguf, workload, 1, args.threads)
+    batched = run_llama_server(args.llama_server, gguf, workload, args.threads, batched=True)
+    paged_batched = run_paged_llm(gguf, workload, None, args.threads)
+    # (llama.cpp's label and run, paged_llm's label and run) of each pair.
     pairs = [
         (
-            (
-                "llama-server, 1 slot (one sequence at a time)",
-                run_llama_server(args.llama_server, gguf, workload, args.threads, batched=False),
-            ),
-            ("paged_llm, max_num_seqs=1", run_paged_llm(gguf, workload, 1, args.threads)),
+            ("llama-server, 1 slot (one sequence at a time)", one_at_a_time),
+            ("paged_llm, max_num_seqs=1", paged_one_at_a_time),
         ),
         (
-            (
-                f"llama-server, {num_requests} slots (batched)",
-                run_llama_server(args.llama_server, gguf, workload, args.threads, batched=True),
-            ),
-            ("paged_llm, its own batching", run_paged_llm(gguf, workload, None, args.threads)),
+            (f"llama-server, {num_requests} slots (batched)", batched),
+            ("paged_llm, its own batching", paged_batched),
         ),
     ]
     print(
         f"{workload.spec}; {args.threads} threads; {gguf.name}; "
-        f"llama.cpp {pairs[0][0][1]['version']}"
+        f"llama.cpp {one_at_a_time['version']}"
     )
     print(
         f"{'engine':<44} {'wall s':>8} {'out tok/s':>10} {'vs llama.cpp':>13} {'same tokens':>12}"
     )
-    for llama, paged in pairs:
-        llama_run = llama[1]
+    for (llama_name, llama_run), (paged_name, paged_run) in pairs:
         base_rate = llama_run["output_tokens"] / llama_run["seconds"]
-        for name, run in (llama, paged):
+        for name, run in ((llama_name, llama_run), (paged_name, paged_run)):
             rate = run["output_tokens"] / run["seconds"]
             same = sum(
                 a == b for a, b in zip(run["token_ids"], llama_run["token_ids"], strict=True)
