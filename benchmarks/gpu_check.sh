@@ -2,7 +2,8 @@
 # The GPU session's one prepared run (under 8 minutes on one H200): the GPU tests, the
 # kernel tests compiled for the GPU, then the decode-step roofline and throughput
 # (paged_llm vs transformers) on random-weight Qwen3-0.6B and Llama-3.2-1B (published
-# configs; no download). Every figure lands as JSON under $OUT.
+# configs; no download), and the first model's quantized weights against its bfloat16
+# (docs/quantization.md). Every figure lands as JSON under $OUT.
 # Usage, from the repository root: OUT=results_dir bash benchmarks/gpu_check.sh
 # SMOKE_MODEL=<tiny model dir> runs the same steps on the CPU at toy sizes with that
 # model's tokenizer and a tiny config, so a test keeps this script's commands valid.
@@ -24,6 +25,7 @@ if [[ -n "${SMOKE_MODEL:-}" ]]; then
     decode_args=(--batch-sizes 1,2 --context-len 32)
     modes=(eager)  # a CPU has no graphs: the graphs run would repeat the eager one
     throughput_args=(--num-requests 4 --input-len 8 32 --output-len 4 8 --engines paged_llm,hf_static4)
+    quantized_args=(--num-requests 4 --input-len 8 32 --output-len 4 8 --quantization int8)
     tests=(tests/engine/test_gpu_start_up.py -k budget)
     kernel_tests=(tests/csrc_triton/test_rms_norm.py)
 else
@@ -34,6 +36,9 @@ else
     modes=(graphs eager)
     throughput_args=(--num-requests 256 --input-len 128 1024 --output-len 128 512
         --engines paged_llm,hf_static64,hf_cb)
+    # fp8 weights need compute capability 8.9 (an H100 or H200 has 9.0).
+    quantized_args=(--num-requests 128 --input-len 128 1024 --output-len 128 512
+        --quantization int8,fp8)
     # Only the files that hold GPU tests: the GPU machine lacks the optional extras
     # (xgrammar, ray, lm-eval, ...) that other test modules import when collected.
     mapfile -t gpu_test_files < <(grep -rl "mark.gpu" tests)
@@ -60,4 +65,8 @@ for config in "${configs[@]}"; do
         --random-weights-config "$config" "${throughput_args[@]}" \
         --out "$out/throughput_a_${name}.json" 2>&1 | tee -a "$out/throughput.log"
 done
+first=$(basename "${configs[0]}" .json)
+run python -m benchmarks.throughput --device "$device" "${model_args[@]}" --workload a \
+    --random-weights-config "${configs[0]}" --engines paged_llm --skip-roofline \
+    "${quantized_args[@]}" --out "$out/quantized_a_${first}.json" 2>&1 | tee "$out/quantized.log"
 exit $status

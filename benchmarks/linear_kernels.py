@@ -29,33 +29,52 @@ from paged_llm.layers.quantization import cpu_matmul, get_quantized_linear_metho
 from paged_llm.layers.quantization.grouped import GroupQuantizedLinearMethod, GroupQuantizedTensor
 from paged_llm.layers.weights import CheckpointTensor
 
-# (name, in_features, out_features) of one SmolLM2-135M decoder layer's projections.
-SHAPES = [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576)]
+# (name, in_features, out_features, input split width) of one SmolLM2-135M decoder layer's
+# projections: o and down are row-parallel, their inputs split at multiples of 192 and 512
+# (its 9 heads and MLP of 1,536 over the 3 ranks it splits into at most), and the int8
+# kernels round those per 64 features, the others per 128 (`cpu_matmul.activation_block`).
+SHAPES = [
+    ("qkv", 576, 960, None),
+    ("o", 576, 576, 192),
+    ("gate_up", 576, 3072, None),
+    ("down", 1536, 576, 512),
+]
+
+Make = Callable[[torch.Tensor, torch.dtype, int | None], nn.Module]
 
 
-def _float_layer(weight: torch.Tensor, dtype: torch.dtype) -> nn.Module:
+def _float_layer(
+    weight: torch.Tensor, dtype: torch.dtype, _input_split_width: int | None
+) -> nn.Module:
     layer = Linear(weight.shape[1], weight.shape[0], False).to(dtype)
     layer.weight.data.copy_(weight)
     prepack_for_cpu(layer, dtype)
     return layer
 
 
-def _mkl_layer(weight: torch.Tensor, dtype: torch.dtype) -> nn.Module:
+def _mkl_layer(
+    weight: torch.Tensor, dtype: torch.dtype, _input_split_width: int | None
+) -> nn.Module:
     # Left unpacked, the layer runs torch's own matmul: MKL on x86, what oneDNN replaces.
     layer = Linear(weight.shape[1], weight.shape[0], False).to(dtype)
     layer.weight.data.copy_(weight)
     return layer
 
 
-def _int8_layer(weight: torch.Tensor, dtype: torch.dtype) -> nn.Module:
+def _int8_layer(
+    weight: torch.Tensor, dtype: torch.dtype, input_split_width: int | None
+) -> nn.Module:
     method = get_quantized_linear_method("int8", triton=False)
     layer = Linear(weight.shape[1], weight.shape[0], False, method).to(dtype)
+    layer.input_split_width = input_split_width
     layer.load_weight(layer.weight, CheckpointTensor("weight", weight), None)
     method.process_weights_after_loading(layer)
     return layer
 
 
-def _gguf_layer(weight: torch.Tensor, dtype: torch.dtype) -> nn.Module:
+def _gguf_layer(
+    weight: torch.Tensor, dtype: torch.dtype, input_split_width: int | None
+) -> nn.Module:
     import gguf
 
     from paged_llm.model_files.gguf_quantized import repack
@@ -65,6 +84,7 @@ def _gguf_layer(weight: torch.Tensor, dtype: torch.dtype) -> nn.Module:
     method = get_quantized_linear_method("gguf", triton=False)
     assert isinstance(method, GroupQuantizedLinearMethod)
     layer = Linear(weight.shape[1], weight.shape[0], False, method).to(dtype)
+    layer.input_split_width = input_split_width
     tensor = GroupQuantizedTensor("weight", repack(blocks, "Q4_1", tuple(weight.shape)))
     method.load_quantized(layer, tensor, None)
     method.process_weights_after_loading(layer)
@@ -83,13 +103,11 @@ class _ForcedPass(nn.Module):
         return cpu_matmul.packed_matmul(x, self.piece, self.isa)
 
 
-def _forced(
-    make: Callable[[torch.Tensor, torch.dtype], nn.Module], isa: str
-) -> Callable[[torch.Tensor, torch.dtype], nn.Module]:
-    return lambda weight, dtype: _ForcedPass(make(weight, dtype), isa)
+def _forced(make: Make, isa: str) -> Make:
+    return lambda weight, dtype, split: _ForcedPass(make(weight, dtype, split), isa)
 
 
-FORMATS: dict[str, tuple[Callable[[torch.Tensor, torch.dtype], nn.Module], torch.dtype]] = {
+FORMATS: dict[str, tuple[Make, torch.dtype]] = {
     "float32 (oneDNN)": (_float_layer, torch.float32),
     "float32 (MKL)": (_mkl_layer, torch.float32),
     "bfloat16": (_float_layer, torch.bfloat16),
@@ -121,15 +139,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    weights = {name: torch.randn(n, k) * 0.05 for name, k, n in SHAPES}
+    weights = {name: torch.randn(n, k) * 0.05 for name, k, n, _ in SHAPES}
     headers = ["format", *(f"M={m} us/layer" for m in args.rows)]
     rows = []
     for label, (make, dtype) in FORMATS.items():
-        layers = {name: make(weight, dtype) for name, weight in weights.items()}
+        layers = {name: make(weights[name], dtype, split) for name, _, _, split in SHAPES}
         times = []
         for num_rows in args.rows:
             total = 0.0
-            for name, k, _ in SHAPES:
+            for name, k, _, _ in SHAPES:
                 x = torch.randn(num_rows, k).to(dtype)
                 with torch.no_grad():
                     total += best_seconds(lambda: layers[name](x), args.repeats)  # noqa: B023

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from paged_llm.distributed.model_splits import tensor_parallel_sizes
 from paged_llm.engine_args import EngineArgs
 from paged_llm.layers.attention import ATTENTION_BACKENDS, KV_CACHE_DTYPES
 from paged_llm.layers.quantization.checkpoint_formats import resolve_quantization
@@ -496,10 +497,8 @@ def _check_parallel_sizes(
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     intermediate = hf_config.intermediate_size
-    working = [
-        n for n in range(1, num_heads + 1) if _splits(n, num_heads, num_kv_heads, intermediate)
-    ]
-    if not _splits(tp, num_heads, num_kv_heads, intermediate):
+    working = tensor_parallel_sizes(hf_config)
+    if tp not in working:
         raise ValueError(
             f"LLM argument tensor_parallel_size={tp} does not split this model: it needs to "
             f"divide num_attention_heads={num_heads} and intermediate_size={intermediate}, and "
@@ -513,8 +512,3 @@ def _check_parallel_sizes(
             f"tensor_parallel_size={tp} x data_parallel_size={data_parallel_size} needs "
             f"{needed} {platform.name} devices, and {available} are visible."
         )
-
-
-def _splits(tp: int, num_heads: int, num_kv_heads: int, intermediate: int) -> bool:
-    kv_ok = num_kv_heads % tp == 0 or tp % num_kv_heads == 0
-    return num_heads % tp == 0 and intermediate % tp == 0 and kv_ok

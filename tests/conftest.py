@@ -65,11 +65,22 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {
 }
 # Models for one concern only, kept out of TINY_MODELS so every-architecture tests do not
 # run them: one KV head (Mistral-style multi-query attention), which two tensor-parallel
-# ranks must replicate.
+# ranks must replicate; row-parallel inputs split at multiples of 64 at any number of ranks
+# (two heads of 64, an MLP of 256), which the CPU's int8 matmuls round in blocks of 64.
 SPECIAL_TINY_MODELS: dict[str, tuple[str, dict]] = {
     "mistral-1kv": (
         "MistralConfig",
         {"num_key_value_heads": 1, "sliding_window": None, "tie_word_embeddings": False},
+    ),
+    "llama-64-wide-splits": (
+        "LlamaConfig",
+        {
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "intermediate_size": 256,
+            "tie_word_embeddings": False,
+        },
     ),
 }
 

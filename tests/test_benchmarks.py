@@ -307,6 +307,8 @@ def test_gpu_check_script_runs_every_step_at_toy_sizes_on_the_cpu(
     assert decode["results"]
     throughput = json.loads((out / "throughput_a_tiny-qwen3.json").read_text())
     assert {e["label"] for e in throughput["engines"]} == {"paged_llm", "hf_static4"}
+    quantized = json.loads((out / "quantized_a_tiny-qwen3.json").read_text())
+    assert {e["label"] for e in quantized["engines"]} == {"paged_llm", "paged_llm int8 float32"}
     assert "passed" in (out / "gpu_tests.log").read_text()
 
 

@@ -73,9 +73,9 @@ class Linear(nn.Linear):
     float32_gemm: bool = False
     # False for a layer whose weight is only looked up (the embedding): nothing to pack.
     multiplies: ClassVar[bool] = True
-    # Whether its input features are split over the ranks (at multiples of 32), whatever
-    # their number (see `QuantizableLayer`).
-    input_is_split: ClassVar[bool] = False
+    # None: it holds its whole input; else the width its input is split over the ranks at
+    # multiples of, at any number of ranks (see `QuantizableLayer`).
+    input_split_width: int | None = None
     # The LoRA adapters added to its output, where the engine serves adapters.
     lora: LoRASlots | None = None
 
@@ -355,8 +355,6 @@ class RowParallelLinear(Linear):
     """A projection whose input features are split over the ranks (the attention output
     and MLP down projections): each rank multiplies its share, one all-reduce sums them."""
 
-    input_is_split = True
-
     def __init__(
         self,
         in_features: int,
@@ -364,9 +362,14 @@ class RowParallelLinear(Linear):
         bias: bool,
         tp: TensorParallelGroup,
         quant_method: QuantizedLinearMethod | None = None,
+        *,
+        finest_split: int,
     ) -> None:
+        """``finest_split``: the model's `model_splits.finest_split`, which every number
+        of ranks divides."""
         super().__init__(in_features // tp.size, out_features, bias, quant_method)
         self.tp = tp
+        self.input_split_width = in_features // finest_split
 
     def lora_shard(self) -> LoRAShard:
         return LoRAShard(

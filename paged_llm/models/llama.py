@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from paged_llm.distributed.model_splits import finest_split
 from paged_llm.layers.activation import SiluAndMul
 from paged_llm.layers.attention import Attention, AttentionMetadata
 from paged_llm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -73,6 +74,7 @@ class LlamaAttention(nn.Module):
             o_bias,
             tp,
             context.quant_method,
+            finest_split=finest_split(config),
         )
         self.rotary = rotary
         norm = functools.partial(RMSNorm, self.head_dim, config.rms_norm_eps, context.elementwise)
@@ -111,7 +113,12 @@ class LlamaMLP(nn.Module):
             config.hidden_size, [shard, shard], bias, context.quant_method
         )
         self.down_proj = RowParallelLinear(
-            size, config.hidden_size, bias, context.tp, context.quant_method
+            size,
+            config.hidden_size,
+            bias,
+            context.tp,
+            context.quant_method,
+            finest_split=finest_split(config),
         )
         self.act = SiluAndMul(context.elementwise)
 

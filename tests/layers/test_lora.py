@@ -136,7 +136,9 @@ def test_two_tensor_parallel_shards_sum_to_the_whole_projection() -> None:
         kv_shard, _ = RowShard.of_heads(tp, num_kv_heads, head_dim)
         packed = PackedLinear(IN_FEATURES, [q_shard, kv_shard, kv_shard], bias=False)
         torch.nn.init.zeros_(packed.weight)
-        row = RowParallelLinear(num_heads * head_dim, IN_FEATURES, bias=False, tp=tp)
+        row = RowParallelLinear(
+            num_heads * head_dim, IN_FEATURES, bias=False, tp=tp, finest_split=tp.size
+        )
         torch.nn.init.zeros_(row.weight)
         for layer, weights in ((packed, packed_weights), (row, row_weights)):
             state = _attach(layer, weights, use_triton=False)

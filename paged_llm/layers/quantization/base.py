@@ -30,11 +30,11 @@ class QuantizableLayer(Protocol):
     quantized_pieces: dict[int, GroupQuantizedWeight | CpuPackedWeight]
 
     @property
-    def input_is_split(self) -> bool:
-        """Whether its input features are split over the ranks (a row-parallel projection),
-        whatever their number: on CPU its activations are then rounded per block of 32,
-        the blocks every split keeps whole, so that each rank rounds as a single rank
-        would."""
+    def input_split_width(self) -> int | None:
+        """None where it holds its whole input; for a row-parallel projection, the width
+        its input features are split over the ranks at multiples of, at any number of
+        ranks: on CPU its activations are then rounded in blocks that divide it, which
+        every split keeps whole, so that each rank rounds as a single rank would."""
 
     @property
     def num_checkpoint_shards(self) -> int | None:

@@ -27,13 +27,17 @@ from paged_llm.layers.quantization.grouped_weight import GroupQuantizedWeight
 ACT_BLOCK = 32
 # The same before a weight of one group (scale) a row whose layer holds its whole input,
 # whose integer sums can then run over 128 features before they are scaled: the AMX pass's
-# tile products take 64 at a time, and each scaling cost as much as a product. A layer
-# whose input is split over ranks (o and down) keeps blocks of 32, which every split keeps
-# whole, whatever the number of ranks; the down projection's input carries the outliers.
+# tile products take 64 at a time, and each scaling cost as much as a product.
 # Perplexity of SmolLM2-135M-Instruct with int8 weights against float32 on 3,513 tokens of
 # docs/architecture.md, with every layer's block one size: +0.32% per 32, +0.72% per 64,
 # +1.25% per 128, +2.27% per 256, +3.85% per 1,024; see docs/quantization.md.
 ROW_ACT_BLOCK = 128
+# The same where the layer's input is split over ranks (o and down), if every split falls
+# at a multiple of it, else `ACT_BLOCK`: blocks no split cuts round the same at any number
+# of ranks. Narrower than `ROW_ACT_BLOCK` because the down projection's input carries the
+# outliers: with o and down at 64, SmolLM2's perplexity moved by +0.93% and +0.91% (562
+# and 3,513 tokens), at 64 and 128 by +2.13% and +1.10%.
+SPLIT_ROW_ACT_BLOCK = 64
 # What features are padded to where activation blocks are wider than 32: AMX's widest
 # tile product.
 _WIDE_FEATURE_MULTIPLE = 64
@@ -55,11 +59,15 @@ def kernel_isa() -> str | None:
     return None if fastest == "generic" else fastest
 
 
-def activation_block(group_size: int, num_features: int, input_is_split: bool) -> int:
+def activation_block(group_size: int, num_features: int, input_split_width: int | None) -> int:
     """Features that share one activation scale before a weight of groups of ``group_size``
-    over ``num_features``, in a layer whose input is split over ranks or not."""
-    one_group_a_row = group_size >= num_features
-    return ROW_ACT_BLOCK if one_group_a_row and not input_is_split else ACT_BLOCK
+    over ``num_features``, in a layer whose input is whole (``input_split_width`` None) or
+    split over ranks at multiples of ``input_split_width``."""
+    if group_size < num_features:
+        return ACT_BLOCK
+    if input_split_width is None:
+        return ROW_ACT_BLOCK
+    return SPLIT_ROW_ACT_BLOCK if input_split_width % SPLIT_ROW_ACT_BLOCK == 0 else ACT_BLOCK
 
 
 @dataclass(frozen=True)
@@ -118,12 +126,12 @@ def packable(weight: GroupQuantizedWeight) -> bool:
     )
 
 
-def pack(weight: GroupQuantizedWeight, input_is_split: bool) -> CpuPackedWeight:
+def pack(weight: GroupQuantizedWeight, input_split_width: int | None) -> CpuPackedWeight:
     """``weight`` in the kernel's layout (needs `packable`), for a layer whose input is
-    split over ranks or not."""
+    split over ranks at multiples of ``input_split_width`` (None: whole)."""
     num_rows, num_features = weight.shape
     padded_rows = -num_rows % ROWS_PER_BLOCK
-    act_block = activation_block(weight.group_size, num_features, input_is_split)
+    act_block = activation_block(weight.group_size, num_features, input_split_width)
     padded_features = -num_features % (
         ACT_BLOCK if act_block == ACT_BLOCK else _WIDE_FEATURE_MULTIPLE
     )
@@ -213,16 +221,18 @@ def packed_matmul(x: torch.Tensor, weight: CpuPackedWeight, isa: str) -> torch.T
 
 
 def matmul(
-    x: torch.Tensor, weight: CpuPackedWeight | GroupQuantizedWeight, input_is_split: bool
+    x: torch.Tensor,
+    weight: CpuPackedWeight | GroupQuantizedWeight,
+    input_split_width: int | None,
 ) -> torch.Tensor:
-    """``x̂ @ W.T`` in ``x``'s dtype, in a layer whose input is split over ranks or not:
-    through the kernel for a packed weight, else by dequantizing `DEQUANTIZED_ROWS` rows at
-    a time in torch."""
+    """``x̂ @ W.T`` in ``x``'s dtype, in a layer whose input is whole or split over ranks
+    (`pack`): through the kernel for a packed weight, else by dequantizing
+    `DEQUANTIZED_ROWS` rows at a time in torch."""
     if isinstance(weight, CpuPackedWeight):
         isa = kernel_isa()
         assert isa is not None, "a weight is packed only where the kernel runs"
         return packed_matmul(x, weight, isa)
-    block = activation_block(weight.group_size, weight.shape[1], input_is_split)
+    block = activation_block(weight.group_size, weight.shape[1], input_split_width)
     rounded = rounded_activations(x, block)
     num_rows = weight.shape[0]
     blocks = [

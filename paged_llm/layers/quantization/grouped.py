@@ -91,7 +91,7 @@ class GroupQuantizedLinearMethod(QuantizedLinearMethod):
         packed: list[GroupQuantizedWeight | CpuPackedWeight] = []
         for piece in layer.quantized_pieces.values():
             if isinstance(piece, GroupQuantizedWeight) and cpu_matmul.packable(piece):
-                piece = cpu_matmul.pack(piece, layer.input_is_split)
+                piece = cpu_matmul.pack(piece, layer.input_split_width)
             previous = packed[-1] if packed else None
             joined = (
                 cpu_matmul.concatenated(previous, piece)
@@ -127,7 +127,7 @@ class GroupQuantizedLinearMethod(QuantizedLinearMethod):
                 x, piece.codes, piece.scale, piece.offset, piece.group_size
             )
             return out
-        return cpu_matmul.matmul(x, piece, layer.input_is_split)
+        return cpu_matmul.matmul(x, piece, layer.input_split_width)
 
     def embedding(
         self, layer: QuantizableLayer, token_ids: torch.Tensor, dtype: torch.dtype

@@ -93,7 +93,7 @@ class PerChannelLinearMethod(QuantizedLinearMethod):
         # NOTE: a tied LM head shares the embedding's weight and pieces: packed once.
         if self.triton or cpu_matmul.kernel_isa() is None or layer.quantized_pieces:
             return
-        keep_piece(layer, 0, cpu_matmul.pack(self._group_quantized(layer), layer.input_is_split))
+        keep_piece(layer, 0, cpu_matmul.pack(self._group_quantized(layer), layer.input_split_width))
         # NOTE: `.data`, not new tensors: a tied LM head holds these same tensor objects.
         layer.weight.data = layer.weight.data.new_empty(0)
         scale = layer.get_buffer("weight_scale")
@@ -123,7 +123,7 @@ class PerChannelLinearMethod(QuantizedLinearMethod):
             out: torch.Tensor = triton_kernels().weight_only_matmul(x, qweight, scale)
         else:
             weight = layer.quantized_pieces.get(0) or self._group_quantized(layer)
-            out = cpu_matmul.matmul(x, weight, layer.input_is_split)
+            out = cpu_matmul.matmul(x, weight, layer.input_split_width)
         return out if bias is None else out.add_(bias)
 
     def embedding(

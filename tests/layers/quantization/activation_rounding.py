@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from paged_llm.distributed.model_splits import finest_split
 from paged_llm.layers.quantization.cpu_matmul import activation_block, rounded_activations
 
 # A decoder layer's quantized matmuls, by transformers' module names.
@@ -17,36 +18,39 @@ SPLIT_INPUT_PROJECTIONS = ("o_proj", "down_proj")
 
 
 def round_inputs(
-    x: torch.Tensor, group_size: int | None, input_is_split: bool = False
+    x: torch.Tensor, group_size: int | None, input_split_width: int | None = None
 ) -> torch.Tensor:
     """``x`` ``[..., K]`` rounded as the CPU kernels round each row before a weight of
     groups of ``group_size`` features (None: one group a row), in a layer whose input is
-    split over ranks or not."""
+    whole (``input_split_width`` None) or split over ranks at multiples of
+    ``input_split_width``."""
     num_features = x.shape[-1]
-    block = activation_block(group_size or num_features, num_features, input_is_split)
+    block = activation_block(group_size or num_features, num_features, input_split_width)
     return rounded_activations(x.reshape(-1, num_features), block).view(x.shape).to(x.dtype)
 
 
 def round_inputs_of(
     model: torch.nn.Module, names: Iterable[str], group_size: int | None
 ) -> torch.nn.Module:
-    """``model`` with the input of every module whose last name is in ``names`` rounded
-    (a forward pre-hook), as paged_llm's CPU path multiplies it by weights of groups of
-    ``group_size`` (None: one group a row)."""
+    """``model`` (transformers', with its ``config``) with the input of every module whose
+    last name is in ``names`` rounded (a forward pre-hook), as paged_llm's CPU path
+    multiplies it by weights of groups of ``group_size`` (None: one group a row)."""
     wanted = set(names)
+    parts = finest_split(model.config)
 
-    def hook(input_is_split: bool) -> Callable[..., tuple[torch.Tensor, ...]]:
+    def hook(input_split_width: int | None) -> Callable[..., tuple[torch.Tensor, ...]]:
         def round_first(
             _module: torch.nn.Module, args: tuple[torch.Tensor, ...]
         ) -> tuple[torch.Tensor, ...]:
-            return (round_inputs(args[0], group_size, input_is_split), *args[1:])
+            return (round_inputs(args[0], group_size, input_split_width), *args[1:])
 
         return round_first
 
     for name, module in model.named_modules():
         last = name.rsplit(".", 1)[-1]
         if last in wanted:
-            module.register_forward_pre_hook(hook(last in SPLIT_INPUT_PROJECTIONS))
+            split = module.in_features // parts if last in SPLIT_INPUT_PROJECTIONS else None
+            module.register_forward_pre_hook(hook(split))
     return model
 
 

@@ -20,14 +20,20 @@ BOUND = 1e-5
 
 
 def reference(
-    x: torch.Tensor, weight: GroupQuantizedWeight, input_is_split: bool = False
+    x: torch.Tensor, weight: GroupQuantizedWeight, input_split_width: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x̂ @ W.T`` in float64, with x̂ rounded as the kernel documents (written out here,
-    not `cpu_matmul.rounded_activations`): per block of 32 features, or of 128 before a
-    weight of one group a row in a layer whose input is not split over ranks, the last
-    block shorter; and the scale of its rounding error (``|x̂| @ |W|.T``)."""
+    not `cpu_matmul.rounded_activations`): per block of 32 features; before a weight of
+    one group a row, of 128 in a layer whose input is whole, and of 64 in one whose input
+    is split over ranks at multiples of 64; the last block shorter; and the scale of its
+    rounding error (``|x̂| @ |W|.T``)."""
     num_rows, num_features = x.shape
-    block = 128 if weight.group_size >= num_features and not input_is_split else 32
+    if weight.group_size < num_features:
+        block = 32
+    elif input_split_width is None:
+        block = 128
+    else:
+        block = 64 if input_split_width % 64 == 0 else 32
     padded = torch.nn.functional.pad(x.float(), (0, -num_features % block))
     blocks = padded.view(num_rows, -1, block)
     amax = blocks.abs().amax(dim=2, keepdim=True)
@@ -51,9 +57,9 @@ def random_weight(
 
 
 def packed_matmul(
-    x: torch.Tensor, weight: GroupQuantizedWeight, isa: str, input_is_split: bool = False
+    x: torch.Tensor, weight: GroupQuantizedWeight, isa: str, input_split_width: int | None = None
 ) -> torch.Tensor:
-    return cpu_matmul.packed_matmul(x, cpu_matmul.pack(weight, input_is_split), isa)
+    return cpu_matmul.packed_matmul(x, cpu_matmul.pack(weight, input_split_width), isa)
 
 
 # (bits, group size: 0 for one group a row).
@@ -113,18 +119,23 @@ def test_bfloat16_activations_give_bfloat16_results_of_the_same_sums(isa: str) -
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize(("rows", "in_features"), [(3, 96), (20, 160), (37, 256)])
-def test_a_layer_whose_input_is_split_rounds_per_32_before_a_per_row_weight(
-    isa: str, rows: int, in_features: int
+@pytest.mark.parametrize(
+    ("rows", "in_features", "input_split_width"),
+    [(3, 96, 32), (20, 160, 32), (17, 192, 96), (37, 256, 64), (5, 384, 192)],
+)
+def test_a_layer_whose_input_is_split_rounds_in_blocks_every_split_keeps_whole(
+    isa: str, rows: int, in_features: int, input_split_width: int
 ) -> None:
-    """A row-parallel layer's rank holds a slice of the input cut at a multiple of 32: its
-    blocks stay 32 wide, as a single rank's do, where a whole input takes blocks of 128."""
+    """A row-parallel layer's rank holds a slice of the input cut at a multiple of
+    ``input_split_width``: before a per-row weight its blocks are 64 wide where that
+    divides the width, else 32, as a single rank's are, where a whole input takes blocks of
+    128."""
     torch.manual_seed(rows)
     weight = random_weight(24, in_features, 8, in_features, offset=False)
     x = torch.randn(rows, in_features) * 3
-    for input_is_split in (True, False):
-        out = packed_matmul(x, weight, isa, input_is_split)
-        expected, scale = reference(x, weight, input_is_split)
+    for split_width in (input_split_width, None):
+        out = packed_matmul(x, weight, isa, split_width)
+        expected, scale = reference(x, weight, split_width)
         assert ((out.double() - expected).abs() <= BOUND * scale + 1e-30).all()
 
 
@@ -140,7 +151,7 @@ def test_packed_rows_unpack_to_the_same_codes_and_weights(
     bits: int, group_size: int, in_features: int
 ) -> None:
     weight = random_weight(21, in_features, bits, group_size, offset=bits != 8)
-    packed = cpu_matmul.pack(weight, input_is_split=False)
+    packed = cpu_matmul.pack(weight, input_split_width=None)
     rows = torch.tensor([20, 0, 17, 5])
     assert torch.equal(
         packed.dequantize_rows(rows, torch.float32), weight.dequantize(torch.float32)[rows]
@@ -148,16 +159,16 @@ def test_packed_rows_unpack_to_the_same_codes_and_weights(
 
 
 @pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (8, 192)])
-@pytest.mark.parametrize("input_is_split", [False, True])
+@pytest.mark.parametrize("input_split_width", [None, 96, 64])
 def test_the_torch_route_computes_the_same_product(
-    bits: int, group_size: int, input_is_split: bool
+    bits: int, group_size: int, input_split_width: int | None
 ) -> None:
     """Where the kernel cannot run (act-order groups, no C++ build) torch multiplies the
     same rounded activations."""
     torch.manual_seed(2)
     weight = random_weight(70, 192, bits, group_size, offset=bits != 8)
     x = torch.randn(6, 192)
-    expected, scale = reference(x, weight, input_is_split)
-    for route in (weight, cpu_matmul.pack(weight, input_is_split)):
-        out = cpu_matmul.matmul(x, route, input_is_split)
+    expected, scale = reference(x, weight, input_split_width)
+    for route in (weight, cpu_matmul.pack(weight, input_split_width)):
+        out = cpu_matmul.matmul(x, route, input_split_width)
         assert ((out.double() - expected).abs() <= BOUND * scale + 1e-12).all()

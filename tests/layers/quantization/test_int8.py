@@ -20,7 +20,7 @@ import transformers
 from benchmarks.perplexity import perplexity, text_token_ids
 from paged_llm import LLM, SamplingParams
 from paged_llm.layers.linear import Linear
-from paged_llm.layers.quantization import get_quantized_linear_method
+from paged_llm.layers.quantization import cpu_matmul, get_quantized_linear_method
 from paged_llm.layers.weights import CheckpointTensor
 from paged_llm.model_files import DEFAULT_MODEL
 from tests.conftest import TINY_MODELS, hf_greedy
@@ -121,19 +121,58 @@ def test_greedy_matches_transformers_with_dequantized_weights(
 
 
 @pytest.mark.slow  # two rank processes: 16 s
+@pytest.mark.parametrize("arch", ["llama", "llama-64-wide-splits"])
 def test_two_ranks_quantize_each_row_with_its_whole_row_scale(
-    llama_dir: Path,
+    arch: str,
+    tiny_model_dir: Callable[[str], Path],
     int8_references: Callable[[str, bool], Reference],
 ) -> None:
     """The row-parallel projections hold half of each row per rank; a scale from half a
-    row would make different int8 weights, and other tokens, than the reference's."""
-    settings, _ = group_settings(llama_dir, "default")
-    prompts, expected, reference = int8_references("llama", False)
-    with LLM(llama_dir, quantization="int8", tensor_parallel_size=2, **settings) as llm:
+    row would make different int8 weights, and other tokens, than the reference's. Their
+    activations are rounded in blocks of 32, or of 64 where every split is a multiple of
+    64 (``llama-64-wide-splits``), which the split keeps whole on each rank."""
+    model_dir = tiny_model_dir(arch)
+    settings, _ = group_settings(model_dir, "default")
+    prompts, expected, reference = int8_references(arch, False)
+    with LLM(model_dir, quantization="int8", tensor_parallel_size=2, **settings) as llm:
         outputs, metrics = generate_greedy(llm, prompts)
     actual = [o.outputs[0].token_ids for o in outputs]
     expected = accept_near_ties(reference, prompts, actual, expected)
     check_scenario("default", outputs, metrics, expected)
+
+
+def test_split_inputs_round_in_blocks_of_64_where_every_split_is_a_multiple_of_64(
+    tiny_model_dir: Callable[[str], Path],
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """o and down of ``llama-64-wide-splits`` take their input in splits of 64 and 128 at
+    any number of ranks: the engine's prompt logprobs are the reference's with those
+    inputs rounded per 64 features, and measurably not per 32."""
+    model_dir = tiny_model_dir("llama-64-wide-splits")
+    prompt = _prompts(tokenizer)[1][:40]
+    with LLM(model_dir, quantization="int8", max_model_len=128) as llm:
+        (output,) = llm.generate(
+            {"prompt_token_ids": prompt},
+            SamplingParams(max_tokens=1, prompt_logprobs=0),
+            use_tqdm=False,
+        )
+    assert output.prompt_logprobs is not None
+    actual = torch.tensor(
+        [row[prompt[i]].logprob for i, row in enumerate(output.prompt_logprobs[1:], start=1)]
+    )
+
+    def differences() -> torch.Tensor:
+        with torch.no_grad():
+            logits = dequantized_reference(model_dir)(torch.tensor([prompt])).logits[0]
+        expected = torch.log_softmax(logits, dim=-1)[:-1].gather(
+            1, torch.tensor(prompt[1:])[:, None]
+        )[:, 0]
+        return (actual - expected).abs()
+
+    assert differences().median().item() < 1e-4
+    monkeypatch.setattr(cpu_matmul, "SPLIT_ROW_ACT_BLOCK", 32)
+    assert differences().median().item() > 1e-3
 
 
 @pytest.mark.parametrize("quantize_embeddings", [True, False])
