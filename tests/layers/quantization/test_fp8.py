@@ -19,7 +19,7 @@ import torch
 from paged_llm import LLM, SamplingParams
 from tests.conftest import hf_greedy
 from tests.fake_gpu import FakeGpuPlatform
-from tests.layers.quantization.test_int8 import dequantized_reference
+from tests.layers.quantization.test_int8 import dequantized_reference, int8_round_trip
 
 E4M3_MAX = 448.0
 PROMPTS = [[100 + 7 * i + j for j in range(3 + 4 * i)] for i in range(3)]
@@ -92,4 +92,21 @@ def test_update_weights_requantizes_to_fp8(
     reference = dequantized_reference(tmp_path, False, fp8_round_trip, cpu_activations=False)
     with fp8_llm(model_dir, quantize_embeddings=False) as llm:
         llm.update_weights(new_model.named_parameters())
+        assert greedy(llm) == [hf_greedy(reference, p, MAX_TOKENS) for p in PROMPTS]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("quantization", "round_trip"), [("fp8", fp8_round_trip), ("int8", int8_round_trip)]
+)
+def test_weight_only_formats_on_a_real_gpu_match_transformers_with_their_weights(
+    quantization: str,
+    round_trip: Callable[[torch.Tensor], torch.Tensor],
+    tiny_model_dir: Callable[[str], Path],
+) -> None:
+    """The compiled kernels, CUDA graphs and all, on qwen3 in float32: activations stay
+    as they are on GPU, so the reference rounds the weights only."""
+    model_dir = tiny_model_dir("qwen3")
+    reference = dequantized_reference(model_dir, True, round_trip, cpu_activations=False)
+    with LLM(model_dir, quantization=quantization, dtype="float32", max_model_len=64) as llm:
         assert greedy(llm) == [hf_greedy(reference, p, MAX_TOKENS) for p in PROMPTS]
