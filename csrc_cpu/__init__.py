@@ -262,7 +262,8 @@ def packed_quantized_matmul(
     """``x̂ @ W.T`` in ``x``'s dtype, ``x`` ``[M, K]`` float32 or bfloat16 with contiguous
     rows, for ``W[n, k] = scale[n, k // group_size] * code[n, k] + offset[n, ...]`` in the
     layout quantized_matmul.cpp describes (codes ``[row blocks, bytes]`` uint8, 4-bit pairs
-    if ``nibbles`` else int8; scale and offset ``[row blocks, groups, 16]`` float32), and
+    if ``nibbles`` else int8; scale and offset ``[row blocks, groups, 16]`` float32, or both
+    float16), and
     ``x̂`` the activations rounded to int8 per block of ``act_block`` features (32, or a
     multiple of 64 for a weight of one group a row; a row's last block may be shorter):
     ``d = amax / 127``, ``q = round(x * 127 / amax)``, ``x̂ = d * q``. Exact integer sums; float32 rounding of

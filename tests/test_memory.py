@@ -107,9 +107,10 @@ def test_llm_takes_little_more_than_its_weights_and_kv_cache(
 @pytest.mark.parametrize(
     ("quantization", "projection_bytes", "vocab_bytes"),
     # Bytes a weight: int8 one (plus a scale per row, 1/576th of that). gguf: the file's
-    # Q4_1 projections kept as 4-bit codes plus a float32 scale and offset per 32 (0.75),
-    # its Q8_0 embedding as int8 codes plus a float32 scale per 32 (1.125).
-    [("int8", 1.0, 1.0), ("gguf", 0.75, 1.125), ("default", 0.75, 1.125)],
+    # Q4_1 projections kept as 4-bit codes plus a float16 scale and offset per 32 (0.625,
+    # llama.cpp's own), its Q8_0 embedding as int8 codes plus a float16 scale per 32
+    # (1.0625).
+    [("int8", 1.0, 1.0), ("gguf", 0.625, 1.0625), ("default", 0.625, 1.0625)],
 )
 def test_quantized_smollm2_grows_the_process_by_under_half_of_float32(
     quantization: str,
@@ -132,11 +133,11 @@ def test_a_gguf_file_loads_kept_quantized_in_under_0_3x_of_float32s_load(
     measured: Callable[[str | None], dict[str, int]],
 ) -> None:
     """``LLM("x.gguf")``, by default: its weights' load (the model built, read, repacked
-    and packed: 91 MiB measured) against the same file's dequantized to float32 (498 MiB).
-    The whole `LLM` grows by 0.33x float32's, less the KV cache both have: the config and
-    tokenizer take 109 MiB of each (transformers' configuration module imports its model
+    and packed: 76 MiB measured) against the same file's dequantized to float32 (498 MiB).
+    The whole `LLM` grows by 0.31x float32's, less the KV cache both have: the config and
+    tokenizer take 110 MiB of each (transformers' configuration module imports its model
     loading stack, 64 MiB; the tokenizer 46 MiB), whatever the model's size."""
     float32, kept = measured("dequantize"), measured("default")
     assert (float32["quantization"], kept["quantization"]) == (None, "gguf")
     assert kept["load"] < 0.3 * float32["load"]
-    assert kept["growth"] - kept["kv_cache"] < 0.4 * (float32["growth"] - float32["kv_cache"])
+    assert kept["growth"] - kept["kv_cache"] < 0.35 * (float32["growth"] - float32["kv_cache"])

@@ -83,13 +83,6 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalL
         pre_quantized_checkpoint(config.quantization, config.hf_config),
         gguf_tensors,
     )
-    if tp.is_first and source is not None:
-        logger.info(
-            "Kept %s packed from %s: %.1f MiB (quantization='dequantize' loads it as float).",
-            " / ".join(sorted(set(kept_types.values()))),
-            source.path.name,
-            sum(tensor.weight.nbytes for tensor in gguf_tensors) / 2**20,
-        )
     # NOTE: the layers hold copies of their parts; the whole repacked tensors go before the
     # heap is trimmed (prepack_for_cpu), or their pages stay in the process (79 MiB here).
     gguf_tensors.clear()
@@ -100,6 +93,14 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalL
         use_fixed_row_tiles(model)
     if tp.is_first:
         memory = sorted(weight_memory(model).items(), key=lambda item: -item[1])
+        if source is not None:
+            logger.info(
+                "Kept %s packed from %s: %.1f MiB of weights (quantization='dequantize' "
+                "loads it as float).",
+                " / ".join(sorted(set(kept_types.values()))),
+                source.path.name,
+                sum(size for _, size in memory) / 2**20,
+            )
         logger.info(
             "Weights: %.1f MiB%s, %s (%s).",
             sum(size for _, size in memory) / 2**20,

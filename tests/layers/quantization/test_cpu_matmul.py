@@ -3,6 +3,8 @@ on every pass this machine's build has, and the packing's round trip."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -137,6 +139,44 @@ def test_a_layer_whose_input_is_split_rounds_in_blocks_every_split_keeps_whole(
         out = packed_matmul(x, weight, isa, split_width)
         expected, scale = reference(x, weight, split_width)
         assert ((out.double() - expected).abs() <= BOUND * scale + 1e-30).all()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("bits", "group_size", "offset"), [(4, 32, True), (8, 32, False)])
+@pytest.mark.parametrize("rows", [1, 13, 37, 97])
+def test_scales_exact_in_float16_are_kept_so_and_multiply_the_same(
+    isa: str, bits: int, group_size: int, offset: bool, rows: int
+) -> None:
+    """GGUF's Q4_1 and Q8_0 scales and offsets are float16 numbers: packed as float16
+    (the bytes decode reads), they give exactly the float32-stored weight's product."""
+    torch.manual_seed(rows)
+    weight = random_weight(50, 160, bits, group_size, offset)
+    weight = GroupQuantizedWeight(
+        weight.codes,
+        weight.scale.half().float(),
+        None if weight.offset is None else weight.offset.half().float(),
+        bits,
+        group_size,
+    )
+    packed = cpu_matmul.pack(weight, None)
+    assert packed.scale.dtype == torch.float16
+    assert packed.offset is None or packed.offset.dtype == torch.float16
+    as_float32 = dataclasses.replace(
+        packed,
+        scale=packed.scale.float(),
+        offset=None if packed.offset is None else packed.offset.float(),
+    )
+    x = torch.randn(rows, 160)
+    out = cpu_matmul.packed_matmul(x, packed, isa)
+    assert torch.equal(out, cpu_matmul.packed_matmul(x, as_float32, isa))
+    expected, scale = reference(x, weight)
+    assert ((out.double() - expected).abs() <= BOUND * scale + 1e-30).all()
+
+
+def test_scales_not_exact_in_float16_stay_float32() -> None:
+    weight = random_weight(20, 64, 4, 32, offset=True)
+    packed = cpu_matmul.pack(weight, None)
+    assert packed.scale.dtype == packed.offset.dtype == torch.float32
 
 
 def test_zero_activations_give_zero() -> None:
