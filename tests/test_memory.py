@@ -135,8 +135,8 @@ def test_a_gguf_file_loads_kept_quantized_in_under_0_3x_of_float32s_load(
     """``LLM("x.gguf")``, by default: its weights' load (the model built, read, repacked
     and packed: 76 MiB measured) against the same file's dequantized to float32 (498 MiB).
     The whole `LLM` grows by 0.31x float32's, less the KV cache both have: the config and
-    tokenizer take 110 MiB of each (transformers' configuration module imports its model
-    loading stack, 64 MiB; the tokenizer 46 MiB), whatever the model's size."""
+    tokenizer take 110 MiB of each (transformers' `LlamaConfig` imports its model-loading
+    stack, 64 MiB; the tokenizer 46 MiB), whatever the model's size."""
     float32, kept = measured("dequantize"), measured("default")
     assert (float32["quantization"], kept["quantization"]) == (None, "gguf")
     assert kept["load"] < 0.3 * float32["load"]
