@@ -52,6 +52,7 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <memory>
 #include <vector>
 
 #include "convert.h"
@@ -138,9 +139,9 @@ struct Problem {
 
 // The activations as the passes read them.
 struct QuantizedActivations {
-  std::vector<int8_t> q;  // [M, padded K], zero past K
+  std::unique_ptr<int8_t[]> q;  // [padded M, padded K], zero past M and K
   std::vector<float> scale;  // [M, act blocks]
-  std::vector<int32_t> span_sums;  // [M, spans]: sum of q (8-bit codes only)
+  std::vector<int32_t> span_sums;  // [M, spans]: sum of q (8-bit codes off AMX only)
   std::vector<float> group_sums;  // [M, groups]: sum over k in g of d * q (offsets only)
 };
 
@@ -172,7 +173,7 @@ inline __m512 load16(const c10::BFloat16* x) {
 // `quantize_row` for one block of 16 * halves features, with the same codes: the amax and
 // the products are the scalar loop's, and the clamp comes before the rounding (127 is an
 // integer), vminps's operand order sending NaN to 127 as std::min does. Writes the codes'
-// sum of each 16 features to half_sums.
+// sum of each 16 features to half_sums, if not null.
 template <typename T>
 inline void quantize_block(const T* row, int64_t halves, int8_t* q, float* scale, int32_t* half_sums) {
   // vmaxps returns its second operand where either is NaN: NaN is skipped, as in std::max.
@@ -186,7 +187,7 @@ inline void quantize_block(const T* row, int64_t halves, int8_t* q, float* scale
     const __m512 x = _mm512_mul_ps(load16(row + 16 * h), inverse);
     const __m512i codes = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(x, high), low));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * h), _mm512_cvtepi32_epi8(codes));
-    half_sums[h] = _mm512_reduce_add_epi32(codes);
+    if (half_sums != nullptr) half_sums[h] = _mm512_reduce_add_epi32(codes);
   }
 }
 #endif
@@ -199,17 +200,21 @@ template <typename T>
 void quantize_activation_row(const Problem& p, const T* x, int8_t* q, float* scales,
     int32_t* span_sums, float* group_sums, int32_t* half_sums) {
   const int64_t K = p.in_features, Kp = p.padded_features, A = p.act_block;
-  std::fill(half_sums, half_sums + Kp / 16, 0);
+  std::fill(q + K, q + Kp, 0);
+  const bool sums = span_sums != nullptr || group_sums != nullptr;
+  if (sums) std::fill(half_sums, half_sums + Kp / 16, 0);
   for (int64_t b = 0; b * A < K; ++b) {
     const int64_t start = b * A, size = std::min(K - start, A);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     if (size % kActBlock == 0) {
-      quantize_block(x + start, size / 16, q + start, scales + b, half_sums + start / 16);
+      quantize_block(x + start, size / 16, q + start, scales + b, sums ? half_sums + start / 16 : nullptr);
       continue;
     }
 #endif
     quantize_row(x + start, size, A, q + start, scales + b);
-    for (int64_t k = start; k < start + size; ++k) half_sums[k / 16] += q[k];
+    if (sums) {
+      for (int64_t k = start; k < start + size; ++k) half_sums[k / 16] += q[k];
+    }
   }
   if (span_sums != nullptr) {
     for (int64_t s = 0; s < p.spans; ++s) {
@@ -225,19 +230,27 @@ void quantize_activation_row(const Problem& p, const T* x, int8_t* q, float* sca
   }
 }
 
+bool uses_amx(const Problem& p);
+
 template <typename T>
 QuantizedActivations quantize_activations(const Problem& p, const T* x, int64_t x_stride) {
   const int64_t M = p.rows, Kp = p.padded_features, padded = p.padded_rows;
   QuantizedActivations a;
-  a.q.assign(padded * Kp, 0);
+  // NOTE: not zero-filled whole (a tenth of the time of quantizing 1,024 rows): the rows
+  // write their codes and zero their padding, and the padded rows are zeroed here.
+  a.q.reset(new int8_t[padded * Kp]);
+  std::fill(a.q.get() + M * Kp, a.q.get() + padded * Kp, 0);
   a.scale.assign(padded * p.act_blocks, 0.0f);
-  if (!p.nibbles) a.span_sums.resize(padded * p.spans);
+  // Only the VNNI and AVX2 passes' unsigned 8-bit codes need the activations' sums; AMX
+  // multiplies signed codes as they are.
+  const bool span_sums = !p.nibbles && !uses_amx(p);
+  if (span_sums) a.span_sums.resize(padded * p.spans);
   if (p.has_offset) a.group_sums.assign(padded * p.num_groups, 0.0f);
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / Kp), [&](int64_t m0, int64_t m1) {
     std::vector<int32_t> half_sums(Kp / 16);
     for (int64_t m = m0; m < m1; ++m) {
-      quantize_activation_row(p, x + m * x_stride, a.q.data() + m * Kp, a.scale.data() + m * p.act_blocks,
-          p.nibbles ? nullptr : a.span_sums.data() + m * p.spans,
+      quantize_activation_row(p, x + m * x_stride, a.q.get() + m * Kp, a.scale.data() + m * p.act_blocks,
+          span_sums ? a.span_sums.data() + m * p.spans : nullptr,
           p.has_offset ? a.group_sums.data() + m * p.num_groups : nullptr, half_sums.data());
     }
   });
@@ -264,7 +277,7 @@ void generic_tile(const Problem& p, const QuantizedActivations& a, const uint8_t
     const float* scale, const float* offset, int64_t m0, int64_t tile, float* result) {
   const int64_t Kp = p.padded_features;
   for (int64_t t = 0; t < tile; ++t) {
-    const int8_t* q = a.q.data() + (m0 + t) * Kp;
+    const int8_t* q = a.q.get() + (m0 + t) * Kp;
     const float* d = a.scale.data() + (m0 + t) * p.act_blocks;
     for (int64_t lane = 0; lane < kRowsPerBlock; ++lane) {
       float total = 0.0f;
@@ -296,7 +309,7 @@ struct TileRows {
 
   TileRows(const Problem& p, const QuantizedActivations& a, int64_t m0) {
     for (int t = 0; t < kTile; ++t) {
-      q[t] = a.q.data() + (m0 + t) * p.padded_features;
+      q[t] = a.q.get() + (m0 + t) * p.padded_features;
       d[t] = a.scale.data() + (m0 + t) * p.act_blocks;
     }
   }
@@ -486,7 +499,7 @@ void amx_tile(const Problem& p, const QuantizedActivations& a, const uint8_t* co
   const int64_t Kp = p.padded_features, S = p.span, step = amx_step(p);
   alignas(64) int32_t sums[kAmxSpansInFlight][kAmxRows * kRowsPerBlock];
   const uint8_t* weights = kNibbles ? amx_unpacked(p, codes, 0) : codes;
-  const int8_t* q = a.q.data() + m0 * Kp;
+  const int8_t* q = a.q.get() + m0 * Kp;
   const float* d = a.scale.data() + m0 * p.act_blocks;
   __m512 acc[kAmxRows];
   for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
@@ -538,7 +551,7 @@ void amx_tile_pair(const Problem& p, const QuantizedActivations& a, const uint8_
   const int64_t Kp = p.padded_features, step = amx_step(p), group_stride = p.num_groups * kRowsPerBlock;
   const uint8_t* w0 = kNibbles ? amx_unpacked(p, codes, 0) : codes;
   const uint8_t* w1 = kNibbles ? amx_unpacked(p, codes + p.block_stride, 1) : codes + p.block_stride;
-  const int8_t* q0 = a.q.data() + m0 * Kp;
+  const int8_t* q0 = a.q.get() + m0 * Kp;
   const int8_t* q1 = q0 + kAmxRows * Kp;
   const float* d = a.scale.data() + m0 * p.act_blocks;
   alignas(64) int32_t sums[4][kAmxRows * kRowsPerBlock];
