@@ -173,9 +173,11 @@ inline __m512 load16(const c10::BFloat16* x) {
 // `quantize_row` for one block of 16 * halves features, with the same codes: the amax and
 // the products are the scalar loop's, and the clamp comes before the rounding (127 is an
 // integer), vminps's operand order sending NaN to 127 as std::min does. Writes the codes'
-// sum of each 16 features to half_sums, if not null.
+// sum of each span of 16 * span_halves features (the last one possibly shorter) to
+// span_sums, if not null: one horizontal sum a span, not one per 16 features.
 template <typename T>
-inline void quantize_block(const T* row, int64_t halves, int8_t* q, float* scale, int32_t* half_sums) {
+inline void quantize_block(
+    const T* row, int64_t halves, int64_t span_halves, int8_t* q, float* scale, int32_t* span_sums) {
   // vmaxps returns its second operand where either is NaN: NaN is skipped, as in std::max.
   __m512 magnitude = _mm512_setzero_ps();
   for (int64_t h = 0; h < halves; ++h) magnitude = _mm512_max_ps(_mm512_abs_ps(load16(row + 16 * h)), magnitude);
@@ -183,49 +185,51 @@ inline void quantize_block(const T* row, int64_t halves, int8_t* q, float* scale
   const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
   *scale = amax / 127.0f;
   const __m512 high = _mm512_set1_ps(127.0f), low = _mm512_set1_ps(-127.0f);
+  __m512i sum = _mm512_setzero_si512();
   for (int64_t h = 0; h < halves; ++h) {
     const __m512 x = _mm512_mul_ps(load16(row + 16 * h), inverse);
     const __m512i codes = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(x, high), low));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * h), _mm512_cvtepi32_epi8(codes));
-    if (half_sums != nullptr) half_sums[h] = _mm512_reduce_add_epi32(codes);
+    if (span_sums != nullptr) {
+      sum = _mm512_add_epi32(sum, codes);
+      if ((h + 1) % span_halves == 0 || h + 1 == halves) {
+        span_sums[h / span_halves] = _mm512_reduce_add_epi32(sum);
+        sum = _mm512_setzero_si512();
+      }
+    }
   }
 }
 #endif
 
 // One activation row: its codes and block scales, the codes' sum over each span (8-bit
-// weight codes only) and the sum of d * q over each group (weights with offsets only).
-// `half_sums` (padded K / 16 entries, the caller's, reused row after row) gets the codes'
-// sums of each 16 features: a span is one or more of them.
+// weight codes off AMX only) and the sum of d * q over each group (weights with offsets
+// only). `sums` (p.spans entries, the caller's, reused row after row) holds the span sums
+// where span_sums is null. A span lies in one activation block and one group.
 template <typename T>
 void quantize_activation_row(const Problem& p, const T* x, int8_t* q, float* scales,
-    int32_t* span_sums, float* group_sums, int32_t* half_sums) {
-  const int64_t K = p.in_features, Kp = p.padded_features, A = p.act_block;
+    int32_t* span_sums, float* group_sums, int32_t* sums) {
+  const int64_t K = p.in_features, Kp = p.padded_features, A = p.act_block, S = p.span;
   std::fill(q + K, q + Kp, 0);
-  const bool sums = span_sums != nullptr || group_sums != nullptr;
-  if (sums) std::fill(half_sums, half_sums + Kp / 16, 0);
+  const bool summed = span_sums != nullptr || group_sums != nullptr;
+  int32_t* spans = span_sums != nullptr ? span_sums : sums;
+  if (summed) std::fill(spans, spans + p.spans, 0);
   for (int64_t b = 0; b * A < K; ++b) {
     const int64_t start = b * A, size = std::min(K - start, A);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     if (size % kActBlock == 0) {
-      quantize_block(x + start, size / 16, q + start, scales + b, sums ? half_sums + start / 16 : nullptr);
+      quantize_block(x + start, size / 16, S / 16, q + start, scales + b, summed ? spans + start / S : nullptr);
       continue;
     }
 #endif
     quantize_row(x + start, size, A, q + start, scales + b);
-    if (sums) {
-      for (int64_t k = start; k < start + size; ++k) half_sums[k / 16] += q[k];
-    }
-  }
-  if (span_sums != nullptr) {
-    for (int64_t s = 0; s < p.spans; ++s) {
-      const int64_t end = std::min(Kp, (s + 1) * p.span);
-      span_sums[s] = std::accumulate(half_sums + s * p.span / 16, half_sums + end / 16, 0);
+    if (summed) {
+      for (int64_t k = start; k < start + size; ++k) spans[k / S] += q[k];
     }
   }
   if (group_sums != nullptr) {
-    for (int64_t h = 0; h < Kp / 16; ++h) {
-      const int64_t g = std::min(16 * h / p.group_size, p.num_groups - 1);
-      group_sums[g] += scales[16 * h / A] * static_cast<float>(half_sums[h]);
+    for (int64_t s = 0; s < p.spans; ++s) {
+      const int64_t g = std::min(s * S / p.group_size, p.num_groups - 1);
+      group_sums[g] += scales[s * S / A] * static_cast<float>(spans[s]);
     }
   }
 }
@@ -247,11 +251,11 @@ QuantizedActivations quantize_activations(const Problem& p, const T* x, int64_t 
   if (span_sums) a.span_sums.resize(padded * p.spans);
   if (p.has_offset) a.group_sums.assign(padded * p.num_groups, 0.0f);
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / Kp), [&](int64_t m0, int64_t m1) {
-    std::vector<int32_t> half_sums(Kp / 16);
+    std::vector<int32_t> sums(p.spans);
     for (int64_t m = m0; m < m1; ++m) {
       quantize_activation_row(p, x + m * x_stride, a.q.get() + m * Kp, a.scale.data() + m * p.act_blocks,
           span_sums ? a.span_sums.data() + m * p.spans : nullptr,
-          p.has_offset ? a.group_sums.data() + m * p.num_groups : nullptr, half_sums.data());
+          p.has_offset ? a.group_sums.data() + m * p.num_groups : nullptr, sums.data());
     }
   });
   return a;
