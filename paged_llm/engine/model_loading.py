@@ -93,17 +93,18 @@ def load_model(config: EngineConfig, tp: TensorParallelGroup) -> LlamaForCausalL
         use_fixed_row_tiles(model)
     if tp.is_first:
         memory = sorted(weight_memory(model).items(), key=lambda item: -item[1])
+        total_mib = sum(size for _, size in memory) / 2**20
         if source is not None:
             logger.info(
                 "Kept %s packed from %s: %.1f MiB of weights (quantization='dequantize' "
                 "loads it as float).",
                 " / ".join(sorted(set(kept_types.values()))),
                 source.path.name,
-                sum(size for _, size in memory) / 2**20,
+                total_mib,
             )
         logger.info(
             "Weights: %.1f MiB%s, %s (%s).",
-            sum(size for _, size in memory) / 2**20,
+            total_mib,
             " per rank" if tp.size > 1 else "",
             f"quantization={config.quantization}" if config.quantization else "not quantized",
             ", ".join(
