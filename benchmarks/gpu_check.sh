@@ -37,7 +37,8 @@ else
     throughput_args=(--num-requests 256 --input-len 128 1024 --output-len 128 512
         --engines paged_llm,hf_static64,hf_cb)
     # fp8 weights need compute capability 8.9 (an H100 or H200 has 9.0).
-    quantized_args=(--num-requests 128 --input-len 128 1024 --output-len 128 512
+    # Last and small: the whole script must fit one 10-minute device call.
+    quantized_args=(--num-requests 64 --input-len 128 1024 --output-len 128 256
         --quantization int8,fp8)
     # Only the files that hold GPU tests: the GPU machine lacks the optional extras
     # (xgrammar, ray, lm-eval, ...) that other test modules import when collected.
