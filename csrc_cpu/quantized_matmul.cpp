@@ -51,7 +51,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <numeric>
 #include <memory>
 #include <vector>
 
@@ -234,7 +233,17 @@ void quantize_activation_row(const Problem& p, const T* x, int8_t* q, float* sca
   }
 }
 
-bool uses_amx(const Problem& p);
+// Activation rows from which the AMX pass takes a matmul: it computes whole tiles of 16
+// rows, and below these the VNNI pass's tiles of the rows there are were as fast or faster
+// (SmolLM2's gate_up and down, 2 threads, us AMX / VNNI: int8 at 12 rows 66 / 79 and
+// 43 / 51; Q4_1, whose codes AMX unpacks first, at 32 rows 188 / 195 and 136 / 122, at
+// 48 rows 282 / 276 and 172 / 170, at 64 rows 351 / 378 and 200 / 222).
+constexpr int64_t kAmxMinRows = 12;
+constexpr int64_t kAmxMinRowsNibbles = 48;
+
+bool uses_amx(const Problem& p) {
+  return p.isa == kAmx && p.rows >= (p.nibbles ? kAmxMinRowsNibbles : kAmxMinRows);
+}
 
 template <typename T>
 QuantizedActivations quantize_activations(const Problem& p, const T* x, int64_t x_stride) {
@@ -738,18 +747,6 @@ struct PassKernels {
   void (*end_task)() = nullptr;
 };
 
-// Activation rows from which the AMX pass takes a matmul: it computes whole tiles of 16
-// rows, and below these the VNNI pass's tiles of the rows there are were as fast or faster
-// (SmolLM2's gate_up and down, 2 threads, us AMX / VNNI: int8 at 12 rows 66 / 79 and
-// 43 / 51; Q4_1, whose codes AMX unpacks first, at 32 rows 188 / 195 and 136 / 122, at
-// 48 rows 282 / 276 and 172 / 170, at 64 rows 351 / 378 and 200 / 222).
-constexpr int64_t kAmxMinRows = 12;
-constexpr int64_t kAmxMinRowsNibbles = 48;
-
-bool uses_amx(const Problem& p) {
-  return p.isa == kAmx && p.rows >= (p.nibbles ? kAmxMinRowsNibbles : kAmxMinRows);
-}
-
 // Activation rows the AMX pass's tiles take at a time: two tiles of 16 (amx_tile_pair)
 // from 17 rows where a span takes 64 features or more; else one (amx_tile: up to 16 rows
 // two would multiply as many zero rows, and spans of 32 or 16 features, scaled every
@@ -866,7 +863,8 @@ void matmul_impl(const Problem& p, const at::Tensor& x, const at::Tensor& codes,
 
 // out [M, N] (x's dtype) = x [M, K] (float32 or bfloat16, rows contiguous) times the
 // transposed weight packed as above (codes [N16 / 16, bytes] uint8, scale and offset
-// [N16 / 16, groups, 16] float32), activations quantized per act_block features. `isa`:
+// [N16 / 16, groups, 16] float32, or both float16), activations quantized per act_block
+// features. `isa`:
 // 0 generic, 1 AVX2, 2 AVX-512 VNNI, 3 AMX (with the VNNI pass below kAmxMinRows rows,
 // kAmxMinRowsNibbles for 4-bit codes).
 void packed_quantized_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
