@@ -52,6 +52,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <vector>
 
 #include "convert.h"
@@ -73,6 +74,10 @@ constexpr int64_t kAmxRows = 16;  // activation rows of one AMX tile (its row co
 // Multiply-adds per parallel task: a decode step's matmul by a small projection still
 // splits over the cores, where torch's grain (32768 elements) would keep it on one.
 constexpr int64_t kMacsPerTask = 1 << 16;
+// Activation rows a task multiplies by all its row blocks before the next ones
+// (matmul_impl): a multiple of every pass's tile rows (AMX 16 and 32, AVX-512 6 and 8,
+// AVX2 2, generic 4), so that only a matmul's last tile is short.
+constexpr int64_t kRowChunk = 96;
 
 bool compiled(Isa isa) {
   switch (isa) {
@@ -136,9 +141,17 @@ struct Problem {
   int64_t block_stride;  // bytes of one row block's codes
 };
 
+// Activation codes start on a cache line, so that each row of an AMX tile load (64 bytes
+// at a multiple of 64) reads one line, not two: with new[]'s 16-byte alignment, the pass took
+// 1.4x the time at 2,048 rows.
+constexpr std::align_val_t kCodeAlignment{64};
+struct AlignedCodesDelete {
+  void operator()(int8_t* codes) const { ::operator delete[](codes, kCodeAlignment); }
+};
+
 // The activations as the passes read them.
 struct QuantizedActivations {
-  std::unique_ptr<int8_t[]> q;  // [padded M, padded K], zero past M and K
+  std::unique_ptr<int8_t[], AlignedCodesDelete> q;  // [padded M, padded K], zero past M and K
   std::vector<float> scale;  // [M, act blocks]
   std::vector<int32_t> span_sums;  // [M, spans]: sum of q (8-bit codes off AMX only)
   std::vector<float> group_sums;  // [M, groups]: sum over k in g of d * q (offsets only)
@@ -251,7 +264,7 @@ QuantizedActivations quantize_activations(const Problem& p, const T* x, int64_t 
   QuantizedActivations a;
   // NOTE: not zero-filled whole (a tenth of the time of quantizing 1,024 rows): the rows
   // write their codes and zero their padding, and the padded rows are zeroed here.
-  a.q.reset(new int8_t[padded * Kp]);
+  a.q.reset(static_cast<int8_t*>(::operator new[](padded * Kp, kCodeAlignment)));
   std::fill(a.q.get() + M * Kp, a.q.get() + padded * Kp, 0);
   a.scale.assign(padded * p.act_blocks, 0.0f);
   // Only the VNNI and AVX2 passes' unsigned 8-bit codes need the activations' sums; AMX
@@ -552,67 +565,80 @@ void amx_tile(const Problem& p, const QuantizedActivations& a, const uint8_t* co
   for (int r = 0; r < kAmxRows; ++r) _mm512_storeu_ps(result + r * kRowsPerBlock, acc[r]);
 }
 
+// Spans whose integer sums amx_tile_pair keeps before it adds them to its float sums in one
+// pass: each pass loads and stores all 32 x 32 of those, which cost as much as the
+// products of a span of 64 features (SmolLM2's down projection, 2,048 rows by chunks, one
+// thread: 42 ns a tile product with one span a pass, 33 with four, 40 with eight).
+constexpr int64_t kSpansPerPass = 4;
+
 // Rows m0 .. m0 + 32 (past M: zero codes and scales) by two row blocks, into result
 // [32 rows][32 outputs]: sum tiles 0-3 take rows 0-15 and 16-31 (activation tiles 4, 5)
 // by blocks 0 and 1 (code tiles 6, 7), so each tile loaded feeds two products, where
-// amx_tile's feed one (leaving its code loads out cut its time by a third). The sums are
-// scaled into `result` each span, there being no registers for 32 x 32 accumulators.
+// amx_tile's feed one (leaving its code loads out cut its time by a third). There being no
+// registers for 32 x 32 float sums, they live in `result`, and kSpansPerPass spans' integer
+// sums are scaled into them at a time. Spans here are 64 features or more, so the weight
+// has one group a row (`packed_quantized_matmul`), and its scale multiplies the whole sum
+// once.
 template <bool kNibbles>
 void amx_tile_pair(const Problem& p, const QuantizedActivations& a, const uint8_t* codes,
     const float* scale, const float* offset, int64_t m0, int64_t /*tile*/, float* result) {
   constexpr int64_t kRows = 2 * kAmxRows, kOutputs = 2 * kRowsPerBlock;
-  const int64_t Kp = p.padded_features, step = amx_step(p), group_stride = p.num_groups * kRowsPerBlock;
+  const int64_t Kp = p.padded_features, S = p.span, step = amx_step(p), group_stride = p.num_groups * kRowsPerBlock;
   const uint8_t* w0 = kNibbles ? amx_unpacked(p, codes, 0) : codes;
   const uint8_t* w1 = kNibbles ? amx_unpacked(p, codes + p.block_stride, 1) : codes + p.block_stride;
   const int8_t* q0 = a.q.get() + m0 * Kp;
   const int8_t* q1 = q0 + kAmxRows * Kp;
   const float* d = a.scale.data() + m0 * p.act_blocks;
-  alignas(64) int32_t sums[4][kAmxRows * kRowsPerBlock];
+  // sums[i][2 * half + j]: span i of the pass, rows 16 * half .. 16 * half + 15 by block j.
+  alignas(64) int32_t sums[kSpansPerPass][4][kAmxRows * kRowsPerBlock];
   constexpr int64_t kSumRowBytes = kRowsPerBlock * sizeof(int32_t);
   std::fill(result, result + kRows * kOutputs, 0.0f);
-  for (int64_t k0 = 0; k0 < Kp; k0 += p.span) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t f = k0; f < span_end(p, k0); f += step) {
-      _tile_loadd(4, q0 + f, Kp);
-      _tile_loadd(6, w0 + f * kBlockBytes / 4, kBlockBytes);
-      PAGED_LLM_AMX_PRODUCT(0, 4, 6);
-      _tile_loadd(7, w1 + f * kBlockBytes / 4, kBlockBytes);
-      PAGED_LLM_AMX_PRODUCT(1, 4, 7);
-      _tile_loadd(5, q1 + f, Kp);
-      PAGED_LLM_AMX_PRODUCT(2, 5, 6);
-      PAGED_LLM_AMX_PRODUCT(3, 5, 7);
+  for (int64_t k0 = 0; k0 < Kp; k0 += kSpansPerPass * S) {
+    const int64_t spans = std::min(kSpansPerPass, (Kp - k0 + S - 1) / S);
+    for (int64_t i = 0; i < spans; ++i) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t f = k0 + i * S; f < span_end(p, k0 + i * S); f += step) {
+        _tile_loadd(4, q0 + f, Kp);
+        _tile_loadd(6, w0 + f * kBlockBytes / 4, kBlockBytes);
+        PAGED_LLM_AMX_PRODUCT(0, 4, 6);
+        _tile_loadd(7, w1 + f * kBlockBytes / 4, kBlockBytes);
+        PAGED_LLM_AMX_PRODUCT(1, 4, 7);
+        _tile_loadd(5, q1 + f, Kp);
+        PAGED_LLM_AMX_PRODUCT(2, 5, 6);
+        PAGED_LLM_AMX_PRODUCT(3, 5, 7);
+      }
+      _tile_stored(0, sums[i][0], kSumRowBytes);
+      _tile_stored(1, sums[i][1], kSumRowBytes);
+      _tile_stored(2, sums[i][2], kSumRowBytes);
+      _tile_stored(3, sums[i][3], kSumRowBytes);
     }
-    _tile_stored(0, sums[0], kSumRowBytes);
-    _tile_stored(1, sums[1], kSumRowBytes);
-    _tile_stored(2, sums[2], kSumRowBytes);
-    _tile_stored(3, sums[3], kSumRowBytes);
-    const int64_t g = group_of(p, k0), block = k0 / p.act_block;
-    const __m512 s[2] = {
-        _mm512_loadu_ps(scale + g * kRowsPerBlock), _mm512_loadu_ps(scale + group_stride + g * kRowsPerBlock)};
-    for (int i = 0; i < 4; ++i) {
-      const int half = i / 2, j = i % 2;
-      for (int r = 0; r < kAmxRows; ++r) {
-        const int64_t row = half * kAmxRows + r;
+    // A span here is one activation block.
+    const int64_t first_block = k0 / S;
+    for (int64_t row = 0; row < kRows; ++row) {
+      __m512 row_scales[kSpansPerPass];
+      for (int64_t i = 0; i < spans; ++i) row_scales[i] = _mm512_set1_ps(d[row * p.act_blocks + first_block + i]);
+      const int64_t tile_row = row % kAmxRows, half = row / kAmxRows;
+      for (int j = 0; j < 2; ++j) {
         float* acc = result + row * kOutputs + j * kRowsPerBlock;
-        const __m512 sd = _mm512_mul_ps(s[j], _mm512_set1_ps(d[row * p.act_blocks + block]));
-        const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(sums[i] + r * kRowsPerBlock));
-        _mm512_storeu_ps(acc, _mm512_fmadd_ps(sum, sd, _mm512_loadu_ps(acc)));
+        __m512 sum = _mm512_loadu_ps(acc);
+        for (int64_t i = 0; i < spans; ++i) {
+          const __m512 span_sum = _mm512_cvtepi32_ps(_mm512_load_si512(sums[i][2 * half + j] + tile_row * kRowsPerBlock));
+          sum = _mm512_fmadd_ps(span_sum, row_scales[i], sum);
+        }
+        _mm512_storeu_ps(acc, sum);
       }
     }
   }
-  if (offset != nullptr) {
-    for (int64_t g = 0; g < p.num_groups; ++g) {
-      for (int j = 0; j < 2; ++j) {
-        const __m512 o = _mm512_loadu_ps(offset + j * group_stride + g * kRowsPerBlock);
-        for (int64_t row = 0; row < kRows; ++row) {
-          float* acc = result + row * kOutputs + j * kRowsPerBlock;
-          const __m512 x_sum = _mm512_set1_ps(a.group_sums[(m0 + row) * p.num_groups + g]);
-          _mm512_storeu_ps(acc, _mm512_fmadd_ps(o, x_sum, _mm512_loadu_ps(acc)));
-        }
-      }
+  for (int j = 0; j < 2; ++j) {
+    const __m512 s = _mm512_loadu_ps(scale + j * group_stride);
+    const __m512 o = offset != nullptr ? _mm512_loadu_ps(offset + j * group_stride) : _mm512_setzero_ps();
+    for (int64_t row = 0; row < kRows; ++row) {
+      float* acc = result + row * kOutputs + j * kRowsPerBlock;
+      const __m512 x_sum = _mm512_set1_ps(offset != nullptr ? a.group_sums[m0 + row] : 0.0f);
+      _mm512_storeu_ps(acc, _mm512_fmadd_ps(o, x_sum, _mm512_mul_ps(_mm512_loadu_ps(acc), s)));
     }
   }
 }
@@ -838,24 +864,34 @@ void matmul_impl(const Problem& p, const at::Tensor& x, const at::Tensor& codes,
     std::vector<float> result(result_size);
     std::vector<float> widened(scales.widens() ? 2 * max_blocks * group_stride : 0);
     if (kernels.begin_task != nullptr) kernels.begin_task(p);
-    for (int64_t b = b0; b < b1;) {
-      const TileKernel& kernel = b + kernels.wide.blocks <= b1 ? kernels.wide : kernels.narrow;
-      const int64_t n0 = b * kRowsPerBlock;
-      const int64_t valid = std::min(kernel.blocks * kRowsPerBlock, p.out_features - n0);
-      const float* block_scale = scales.blocks(b, kernel.blocks, widened.data());
-      const float* block_offset = offsets.has_value()
-          ? offsets->blocks(b, kernel.blocks, widened.data() + max_blocks * group_stride)
-          : nullptr;
-      for (int64_t m0 = 0; m0 < p.rows; m0 += kernel.max_rows) {
-        const int64_t tile = std::min(kernel.max_rows, p.rows - m0);
-        kernel.run(p, a, code_data + b * p.block_stride, block_scale, block_offset, m0, tile, result.data());
-        for (int64_t t = 0; t < tile; ++t) {
-          T* row = out_data + (m0 + t) * out_stride + n0;
-          const float* values = result.data() + t * kernel.blocks * kRowsPerBlock;
-          for (int64_t l = 0; l < valid; ++l) paged_llm_cpu::store(row + l, values[l]);
+    // Activation rows a chunk at a time, each by all of the task's row blocks: the chunk's
+    // activation codes stay in cache while the weight's stream past, and its outputs are
+    // written a row's share at a time, where block by block over all rows each output line
+    // was a scattered write (SmolLM2's down projection, 2,048 rows, one thread: 56 ns an AMX
+    // tile product block by block, 42 by chunks). 4-bit codes on AMX take all rows as one
+    // chunk: that pass unpacks a row block's codes once per chunk.
+    const int64_t chunk = uses_amx(p) && p.nibbles ? p.rows : kRowChunk;
+    for (int64_t c0 = 0; c0 < p.rows; c0 += chunk) {
+      const int64_t c1 = std::min(p.rows, c0 + chunk);
+      for (int64_t b = b0; b < b1;) {
+        const TileKernel& kernel = b + kernels.wide.blocks <= b1 ? kernels.wide : kernels.narrow;
+        const int64_t n0 = b * kRowsPerBlock;
+        const int64_t valid = std::min(kernel.blocks * kRowsPerBlock, p.out_features - n0);
+        const float* block_scale = scales.blocks(b, kernel.blocks, widened.data());
+        const float* block_offset = offsets.has_value()
+            ? offsets->blocks(b, kernel.blocks, widened.data() + max_blocks * group_stride)
+            : nullptr;
+        for (int64_t m0 = c0; m0 < c1; m0 += kernel.max_rows) {
+          const int64_t tile = std::min(kernel.max_rows, c1 - m0);
+          kernel.run(p, a, code_data + b * p.block_stride, block_scale, block_offset, m0, tile, result.data());
+          for (int64_t t = 0; t < tile; ++t) {
+            T* row = out_data + (m0 + t) * out_stride + n0;
+            const float* values = result.data() + t * kernel.blocks * kRowsPerBlock;
+            for (int64_t l = 0; l < valid; ++l) paged_llm_cpu::store(row + l, values[l]);
+          }
         }
+        b += kernel.blocks;
       }
-      b += kernel.blocks;
     }
     if (kernels.end_task != nullptr) kernels.end_task();
   });
