@@ -107,6 +107,7 @@ def _forced(make: Make, isa: str) -> Make:
     return lambda weight, dtype, split: _ForcedPass(make(weight, dtype, split), isa)
 
 
+# The formats the engine runs here; `FORCED_PASSES` adds the kernel's other passes.
 FORMATS: dict[str, tuple[Make, torch.dtype]] = {
     "float32 (oneDNN)": (_float_layer, torch.float32),
     "float32 (MKL)": (_mkl_layer, torch.float32),
@@ -115,10 +116,11 @@ FORMATS: dict[str, tuple[Make, torch.dtype]] = {
     "int8, bfloat16 act": (_int8_layer, torch.bfloat16),
     "gguf Q4_1, float32 act": (_gguf_layer, torch.float32),
 }
+FORCED_PASSES: dict[str, tuple[Make, torch.dtype]] = {}
 if csrc_cpu.load():
     for _isa in csrc_cpu.quantized_matmul_isas()[1:]:
-        FORMATS[f"int8, {_isa} pass"] = (_forced(_int8_layer, _isa), torch.float32)
-        FORMATS[f"gguf Q4_1, {_isa} pass"] = (_forced(_gguf_layer, _isa), torch.float32)
+        FORCED_PASSES[f"int8, {_isa} pass"] = (_forced(_int8_layer, _isa), torch.float32)
+        FORCED_PASSES[f"gguf Q4_1, {_isa} pass"] = (_forced(_gguf_layer, _isa), torch.float32)
 
 
 def best_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -136,13 +138,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument(
+        "--no-forced-passes",
+        action="store_true",
+        help="only the formats the engine runs here (the generic loops take seconds a call "
+        "at prefill sizes)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     weights = {name: torch.randn(n, k) * 0.05 for name, k, n, _ in SHAPES}
     headers = ["format", *(f"M={m} us/layer" for m in args.rows)]
     rows = []
-    for label, (make, dtype) in FORMATS.items():
+    formats = FORMATS if args.no_forced_passes else {**FORMATS, **FORCED_PASSES}
+    for label, (make, dtype) in formats.items():
         layers = {name: make(weights[name], dtype, split) for name, _, _, split in SHAPES}
         times = []
         for num_rows in args.rows:

@@ -565,73 +565,76 @@ void amx_tile(const Problem& p, const QuantizedActivations& a, const uint8_t* co
   for (int r = 0; r < kAmxRows; ++r) _mm512_storeu_ps(result + r * kRowsPerBlock, acc[r]);
 }
 
-// Spans whose integer sums amx_tile_pair keeps before it adds them to its float sums in one
-// pass: each pass loads and stores all 32 x 32 of those, which cost as much as the
-// products of a span of 64 features (SmolLM2's down projection, 2,048 rows by chunks, one
-// thread: 42 ns a tile product with one span a pass, 33 with four, 40 with eight).
-constexpr int64_t kSpansPerPass = 4;
-
 // Rows m0 .. m0 + 32 (past M: zero codes and scales) by two row blocks, into result
 // [32 rows][32 outputs]: sum tiles 0-3 take rows 0-15 and 16-31 (activation tiles 4, 5)
 // by blocks 0 and 1 (code tiles 6, 7), so each tile loaded feeds two products, where
 // amx_tile's feed one (leaving its code loads out cut its time by a third). There being no
-// registers for 32 x 32 float sums, they live in `result`, and kSpansPerPass spans' integer
-// sums are scaled into them at a time. Spans here are 64 features or more, so the weight
-// has one group a row (`packed_quantized_matmul`), and its scale multiplies the whole sum
-// once.
+// registers for 32 x 32 float sums, they live in `result`. Scaling a span's integer sums
+// into them costs as much as the span's products (64 features), so the two overlap: a
+// span's sums leave the tiles for one of two buffers, and while the tile unit multiplies
+// the next span, the vector unit scales them, a quarter of the rows after each of that
+// span's first four products (each quarter's instructions within reach of the reorder
+// window: scaled in one run after the products, or four spans at a time, the tile unit
+// sat idle; SmolLM2's down projection at 2,048 rows, one thread: 42, 33 and 28 ns a tile
+// product). Spans here are 64 features or more, so the weight has one group a row
+// (`packed_quantized_matmul`), and its scale multiplies the whole sum once.
 template <bool kNibbles>
 void amx_tile_pair(const Problem& p, const QuantizedActivations& a, const uint8_t* codes,
     const float* scale, const float* offset, int64_t m0, int64_t /*tile*/, float* result) {
-  constexpr int64_t kRows = 2 * kAmxRows, kOutputs = 2 * kRowsPerBlock;
+  constexpr int64_t kRows = 2 * kAmxRows, kOutputs = 2 * kRowsPerBlock, kQuarter = kRows / 4;
   const int64_t Kp = p.padded_features, S = p.span, step = amx_step(p), group_stride = p.num_groups * kRowsPerBlock;
   const uint8_t* w0 = kNibbles ? amx_unpacked(p, codes, 0) : codes;
   const uint8_t* w1 = kNibbles ? amx_unpacked(p, codes + p.block_stride, 1) : codes + p.block_stride;
   const int8_t* q0 = a.q.get() + m0 * Kp;
   const int8_t* q1 = q0 + kAmxRows * Kp;
   const float* d = a.scale.data() + m0 * p.act_blocks;
-  // sums[i][2 * half + j]: span i of the pass, rows 16 * half .. 16 * half + 15 by block j.
-  alignas(64) int32_t sums[kSpansPerPass][4][kAmxRows * kRowsPerBlock];
+  // sums[span % 2][2 * half + j]: rows 16 * half .. 16 * half + 15 by row block j.
+  alignas(64) int32_t sums[2][4][kAmxRows * kRowsPerBlock];
   constexpr int64_t kSumRowBytes = kRowsPerBlock * sizeof(int32_t);
   std::fill(result, result + kRows * kOutputs, 0.0f);
-  for (int64_t k0 = 0; k0 < Kp; k0 += kSpansPerPass * S) {
-    const int64_t spans = std::min(kSpansPerPass, (Kp - k0 + S - 1) / S);
-    for (int64_t i = 0; i < spans; ++i) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t f = k0 + i * S; f < span_end(p, k0 + i * S); f += step) {
-        _tile_loadd(4, q0 + f, Kp);
-        _tile_loadd(6, w0 + f * kBlockBytes / 4, kBlockBytes);
-        PAGED_LLM_AMX_PRODUCT(0, 4, 6);
-        _tile_loadd(7, w1 + f * kBlockBytes / 4, kBlockBytes);
-        PAGED_LLM_AMX_PRODUCT(1, 4, 7);
-        _tile_loadd(5, q1 + f, Kp);
-        PAGED_LLM_AMX_PRODUCT(2, 5, 6);
-        PAGED_LLM_AMX_PRODUCT(3, 5, 7);
-      }
-      _tile_stored(0, sums[i][0], kSumRowBytes);
-      _tile_stored(1, sums[i][1], kSumRowBytes);
-      _tile_stored(2, sums[i][2], kSumRowBytes);
-      _tile_stored(3, sums[i][3], kSumRowBytes);
-    }
-    // A span here is one activation block.
-    const int64_t first_block = k0 / S;
-    for (int64_t row = 0; row < kRows; ++row) {
-      __m512 row_scales[kSpansPerPass];
-      for (int64_t i = 0; i < spans; ++i) row_scales[i] = _mm512_set1_ps(d[row * p.act_blocks + first_block + i]);
-      const int64_t tile_row = row % kAmxRows, half = row / kAmxRows;
+  // Span `span`'s sums (a span here is one activation block), rows of `quarter`.
+  const auto scale_quarter = [&](int64_t span, int quarter) {
+    const int32_t(*span_sums)[kAmxRows * kRowsPerBlock] = sums[span % 2];
+    for (int64_t row = quarter * kQuarter; row < (quarter + 1) * kQuarter; ++row) {
+      const __m512 row_scale = _mm512_set1_ps(d[row * p.act_blocks + span]);
       for (int j = 0; j < 2; ++j) {
+        const __m512 sum = _mm512_cvtepi32_ps(
+            _mm512_load_si512(span_sums[2 * (row / kAmxRows) + j] + row % kAmxRows * kRowsPerBlock));
         float* acc = result + row * kOutputs + j * kRowsPerBlock;
-        __m512 sum = _mm512_loadu_ps(acc);
-        for (int64_t i = 0; i < spans; ++i) {
-          const __m512 span_sum = _mm512_cvtepi32_ps(_mm512_load_si512(sums[i][2 * half + j] + tile_row * kRowsPerBlock));
-          sum = _mm512_fmadd_ps(span_sum, row_scales[i], sum);
-        }
-        _mm512_storeu_ps(acc, sum);
+        _mm512_storeu_ps(acc, _mm512_fmadd_ps(sum, row_scale, _mm512_loadu_ps(acc)));
       }
     }
+  };
+  const int64_t spans = (Kp + S - 1) / S;
+  for (int64_t span = 0; span < spans; ++span) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int64_t k0 = span * S;
+    for (int64_t f = k0; f < span_end(p, k0); f += step) {
+      const bool scales = f == k0 && span > 0;
+      _tile_loadd(4, q0 + f, Kp);
+      _tile_loadd(6, w0 + f * kBlockBytes / 4, kBlockBytes);
+      PAGED_LLM_AMX_PRODUCT(0, 4, 6);
+      if (scales) scale_quarter(span - 1, 0);
+      _tile_loadd(7, w1 + f * kBlockBytes / 4, kBlockBytes);
+      PAGED_LLM_AMX_PRODUCT(1, 4, 7);
+      if (scales) scale_quarter(span - 1, 1);
+      _tile_loadd(5, q1 + f, Kp);
+      PAGED_LLM_AMX_PRODUCT(2, 5, 6);
+      if (scales) scale_quarter(span - 1, 2);
+      PAGED_LLM_AMX_PRODUCT(3, 5, 7);
+      if (scales) scale_quarter(span - 1, 3);
+    }
+    // After the scaling above has read this buffer's sums of two spans ago.
+    asm volatile("" : : : "memory");
+    _tile_stored(0, sums[span % 2][0], kSumRowBytes);
+    _tile_stored(1, sums[span % 2][1], kSumRowBytes);
+    _tile_stored(2, sums[span % 2][2], kSumRowBytes);
+    _tile_stored(3, sums[span % 2][3], kSumRowBytes);
   }
+  for (int quarter = 0; quarter < 4; ++quarter) scale_quarter(spans - 1, quarter);
   for (int j = 0; j < 2; ++j) {
     const __m512 s = _mm512_loadu_ps(scale + j * group_stride);
     const __m512 o = offset != nullptr ? _mm512_loadu_ps(offset + j * group_stride) : _mm512_setzero_ps();

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import transformers
 
+import csrc_cpu
 from benchmarks.engines import (
     REPO_ROOT,
     EngineOptions,
@@ -96,7 +97,8 @@ needs_vllm_venv = pytest.mark.skipif(
 )
 
 
-def run_module(module: str, *args: str, timeout: float = 300) -> None:
+def run_module(module: str, *args: str, timeout: float = 300) -> str:
+    """``python -m module`` with ``args`` on `THREADS` threads; its stdout."""
     completed = subprocess.run(
         [sys.executable, "-m", module, "--threads", str(THREADS), *args],
         cwd=REPO_ROOT,
@@ -107,6 +109,7 @@ def run_module(module: str, *args: str, timeout: float = 300) -> None:
         check=False,
     )
     assert completed.returncode == 0, completed.stdout + completed.stderr
+    return completed.stdout
 
 
 @pytest.mark.slow
@@ -247,7 +250,16 @@ def test_throughput_runs_structured_json_beside_the_unconstrained_run(
 
 @pytest.mark.slow
 def test_linear_kernels_times_every_weight_format() -> None:
-    run_module("benchmarks.linear_kernels", "--rows", "1", "--repeats", "1")
+    every = run_module("benchmarks.linear_kernels", "--rows", "1", "--repeats", "1")
+    engine_only = run_module(
+        "benchmarks.linear_kernels", "--rows", "1", "--repeats", "1", "--no-forced-passes"
+    )
+    for label in ("float32 (oneDNN)", "bfloat16", "int8, bfloat16 act", "gguf Q4_1, float32 act"):
+        assert label in every and label in engine_only
+    forced = [line for line in every.splitlines() if " pass " in line]
+    other_passes = len(csrc_cpu.quantized_matmul_isas()) - 1 if csrc_cpu.load() else 0
+    assert len(forced) == 2 * other_passes
+    assert not any(" pass " in line for line in engine_only.splitlines())
 
 
 @pytest.mark.slow
