@@ -591,8 +591,8 @@ void amx_tile_pair(const Problem& p, const QuantizedActivations& a, const uint8_
   // sums[span % 2][2 * half + j]: rows 16 * half .. 16 * half + 15 by row block j.
   alignas(64) int32_t sums[2][4][kAmxRows * kRowsPerBlock];
   constexpr int64_t kSumRowBytes = kRowsPerBlock * sizeof(int32_t);
-  std::fill(result, result + kRows * kOutputs, 0.0f);
-  // Span `span`'s sums (a span here is one activation block), rows of `quarter`.
+  // Span `span`'s sums (a span here is one activation block), rows of `quarter`, into
+  // `result` (the first span's in place of what it held).
   const auto scale_quarter = [&](int64_t span, int quarter) {
     const int32_t(*span_sums)[kAmxRows * kRowsPerBlock] = sums[span % 2];
     for (int64_t row = quarter * kQuarter; row < (quarter + 1) * kQuarter; ++row) {
@@ -601,7 +601,7 @@ void amx_tile_pair(const Problem& p, const QuantizedActivations& a, const uint8_
         const __m512 sum = _mm512_cvtepi32_ps(
             _mm512_load_si512(span_sums[2 * (row / kAmxRows) + j] + row % kAmxRows * kRowsPerBlock));
         float* acc = result + row * kOutputs + j * kRowsPerBlock;
-        _mm512_storeu_ps(acc, _mm512_fmadd_ps(sum, row_scale, _mm512_loadu_ps(acc)));
+        _mm512_storeu_ps(acc, span == 0 ? _mm512_mul_ps(sum, row_scale) : _mm512_fmadd_ps(sum, row_scale, _mm512_loadu_ps(acc)));
       }
     }
   };
