@@ -284,6 +284,26 @@ def packed_quantized_matmul(
     return out
 
 
+def packed_dequantize(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor | None,
+    group_size: int,
+    nibbles: bool,
+    rows: range,
+    num_features: int,
+) -> torch.Tensor:
+    """Rows ``rows`` (a step-1 range starting at a multiple of 16) of the weight
+    `packed_quantized_matmul` multiplies by, ``[len(rows), num_features]`` in bfloat16:
+    ``scale * code + offset`` rounded to float32 after the product and after the sum, then
+    once to bfloat16, bit for bit what dequantizing in torch gives. Needs `load`."""
+    out = torch.empty(len(rows), num_features, dtype=torch.bfloat16)
+    torch.ops.paged_llm_cpu.packed_dequantize(
+        codes, scale, offset, group_size, nibbles, rows.start, out
+    )
+    return out
+
+
 def _reason(error: Exception) -> str:
     """The line of a failed build's output that says what went wrong."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]

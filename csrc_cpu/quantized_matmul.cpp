@@ -907,6 +907,149 @@ void matmul_impl(const Problem& p, const at::Tensor& x, const at::Tensor& codes,
   });
 }
 
+// A product rounded to float32 before the sum that follows: torch's dequantize multiplies
+// and adds in two operations, which the compiler would fuse into one FMA, rounding once
+// (7 * 0.00110688 - 0.00774817 then gives -1.2e-10, not torch's 0). The empty asm hides the
+// product's origin from it.
+inline float unfused(float product) {
+  asm("" : "+x"(product));
+  return product;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 float32 values rounded to bfloat16 as `paged_llm_cpu::store` rounds them (to nearest
+// even; vcvtneps2bf16 would flush float32 denormals to zero). Weight values are finite.
+inline __m256i to_bfloat16(__m512 values) {
+  const __m512i bits = _mm512_castps_si512(values);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+inline __m512 unfused(__m512 product) {
+  asm("" : "+v"(product));
+  return product;
+}
+
+// Rows 4Q .. 4Q + 3 of a row block at features k .. k + 3: `codes` holds their 4 x 4 codes
+// (16 bytes, row by row, as a packed vector's quarter Q holds them), `scale` and `offset`
+// each code's row's group values. Stored to `rows` (the block's first row, rows K apart).
+template <int Q>
+inline void dequantize_quarter(__m128i codes, bool is_signed, const __m512* scale, const __m512* offset,
+    c10::BFloat16* rows, int64_t K, int64_t k) {
+  const __m512i wide = is_signed ? _mm512_cvtepi8_epi32(codes) : _mm512_cvtepu8_epi32(codes);
+  __m512 values = unfused(_mm512_mul_ps(_mm512_cvtepi32_ps(wide), scale[Q]));
+  if (offset != nullptr) values = _mm512_add_ps(values, offset[Q]);
+  const __m256i rounded = to_bfloat16(values);
+  const int64_t four[4] = {_mm256_extract_epi64(rounded, 0), _mm256_extract_epi64(rounded, 1),
+      _mm256_extract_epi64(rounded, 2), _mm256_extract_epi64(rounded, 3)};
+  for (int i = 0; i < 4; ++i) std::memcpy(rows + (4 * Q + i) * K + k, four + i, sizeof(int64_t));
+}
+
+template <int Q>
+inline void dequantize_quarter_of(__m512i vector, bool is_signed, const __m512* scale, const __m512* offset,
+    c10::BFloat16* rows, int64_t K, int64_t k) {
+  dequantize_quarter<Q>(_mm512_extracti32x4_epi32(vector, Q), is_signed, scale, offset, rows, K, k);
+}
+
+inline void dequantize_vector(__m512i vector, bool is_signed, const __m512* scale, const __m512* offset,
+    c10::BFloat16* rows, int64_t K, int64_t k) {
+  dequantize_quarter_of<0>(vector, is_signed, scale, offset, rows, K, k);
+  dequantize_quarter_of<1>(vector, is_signed, scale, offset, rows, K, k);
+  dequantize_quarter_of<2>(vector, is_signed, scale, offset, rows, K, k);
+  dequantize_quarter_of<3>(vector, is_signed, scale, offset, rows, K, k);
+}
+
+// A whole row block's (16 rows') features below the last whole packed vector under K;
+// returns the feature where it stopped. `scale` and `offset` (or null): [groups][16].
+int64_t dequantize_block(const uint8_t* codes, const float* scale, const float* offset, bool nibbles,
+    int64_t group_size, int64_t num_groups, int64_t K, c10::BFloat16* rows) {
+  const int64_t width = nibbles ? 8 : 4;  // features of one packed vector
+  const int64_t whole = K / width * width;
+  // Lane i of quarter q holds row 4q + i / 4: each row's group value spread over its 4 lanes.
+  const __m512i row_of_lane = _mm512_srli_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2);
+  __m512 scales[4], offsets[4];
+  int64_t current = -1;
+  for (int64_t k = 0; k < whole; k += width) {
+    const int64_t g = std::min(k / group_size, num_groups - 1);
+    if (g != current) {
+      current = g;
+      const __m512 group_scale = _mm512_loadu_ps(scale + g * kRowsPerBlock);
+      const __m512 group_offset = offset != nullptr ? _mm512_loadu_ps(offset + g * kRowsPerBlock) : group_scale;
+      for (int q = 0; q < 4; ++q) {
+        const __m512i lanes = _mm512_add_epi32(row_of_lane, _mm512_set1_epi32(4 * q));
+        scales[q] = _mm512_permutexvar_ps(lanes, group_scale);
+        offsets[q] = _mm512_permutexvar_ps(lanes, group_offset);
+      }
+    }
+    const __m512i vector = _mm512_loadu_si512(codes + k / width * kBlockBytes);
+    const __m512* offset_values = offset != nullptr ? offsets : nullptr;
+    if (nibbles) {
+      const __m512i mask = _mm512_set1_epi8(0x0F);
+      dequantize_vector(_mm512_and_si512(vector, mask), false, scales, offset_values, rows, K, k);
+      dequantize_vector(_mm512_and_si512(_mm512_srli_epi16(vector, 4), mask), false, scales, offset_values, rows,
+          K, k + 4);
+    } else {
+      dequantize_vector(vector, true, scales, offset_values, rows, K, k);
+    }
+  }
+  return whole;
+}
+#endif
+
+// out [R, K] bfloat16 = rows row0 .. row0 + R (row0 a multiple of 16) of the weight packed
+// as above, W[n, k] = scale * code + offset with the product and the sum each rounded to
+// float32 and the result once to bfloat16: GroupQuantizedWeight.dequantize's values, bit
+// for bit. What a bfloat16 matmul of many rows multiplies by with oneDNN's GEMM
+// (paged_llm's `cpu_matmul.matmul`), rather than quantizing its activations.
+void packed_dequantize(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& offset,
+    int64_t group_size, bool nibbles, int64_t row0, at::Tensor& out) {
+  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte, "codes must be contiguous uint8");
+  TORCH_CHECK(scale.is_contiguous() && (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf),
+      "scale must be contiguous float32 or float16");
+  TORCH_CHECK(!offset.has_value() || (offset->is_contiguous() && offset->scalar_type() == scale.scalar_type()),
+      "offset must be contiguous, of scale's dtype");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kBFloat16,
+      "out must be contiguous bfloat16 [R, K]");
+  const int64_t R = out.size(0), K = out.size(1);
+  const int64_t padded_features = codes.size(1) / (nibbles ? 8 : 16);
+  TORCH_CHECK(K <= padded_features, "out has more features than the codes");
+  TORCH_CHECK(row0 % kRowsPerBlock == 0 && row0 + R <= codes.size(0) * kRowsPerBlock, "rows out of range");
+  const int64_t num_groups = scale.size(1);
+  const int64_t group = std::min(group_size, padded_features);
+  const int64_t group_stride = num_groups * kRowsPerBlock;
+  const GroupValues scales(scale, group_stride);
+  const c10::optional<GroupValues> offsets =
+      offset.has_value() ? c10::make_optional(GroupValues(*offset, group_stride)) : c10::nullopt;
+  const uint8_t* code_data = codes.const_data_ptr<uint8_t>();
+  c10::BFloat16* out_data = out.data_ptr<c10::BFloat16>();
+  const int64_t first = row0 / kRowsPerBlock, last = (row0 + R + kRowsPerBlock - 1) / kRowsPerBlock;
+  at::parallel_for(first, last, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> widened(scales.widens() ? 2 * group_stride : 0);
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* block = code_data + b * codes.size(1);
+      const float* s = scales.blocks(b, 1, widened.data());
+      const float* o = offsets.has_value() ? offsets->blocks(b, 1, widened.data() + group_stride) : nullptr;
+      const int64_t n0 = b * kRowsPerBlock - row0;
+      const int64_t lanes = std::min(kRowsPerBlock, R - n0);
+      c10::BFloat16* rows = out_data + n0 * K;
+      int64_t done = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      if (lanes == kRowsPerBlock) done = dequantize_block(block, s, o, nibbles, group, num_groups, K, rows);
+#endif
+      for (int64_t l = 0; l < lanes; ++l) {
+        for (int64_t k = done; k < K; ++k) {
+          const int64_t g = std::min(k / group, num_groups - 1);
+          float value = unfused(s[g * kRowsPerBlock + l] * static_cast<float>(packed_code(block, nibbles, l, k)));
+          if (o != nullptr) value = value + o[g * kRowsPerBlock + l];
+          paged_llm_cpu::store(rows + l * K + k, value);
+        }
+      }
+    }
+  });
+}
+
 // out [M, N] (x's dtype) = x [M, K] (float32 or bfloat16, rows contiguous) times the
 // transposed weight packed as above (codes [N16 / 16, bytes] uint8, scale and offset
 // [N16 / 16, groups, 16] float32, or both float16), activations quantized per act_block
@@ -976,6 +1119,10 @@ TORCH_LIBRARY_FRAGMENT(paged_llm_cpu, m) {
       "packed_quantized_matmul(Tensor x, Tensor codes, Tensor scale, Tensor? offset, "
       "int out_features, int group_size, int act_block, bool nibbles, int isa, Tensor(a!) out) -> ()");
   m.def("quantized_matmul_isas() -> int[]");
+  m.def(
+      "packed_dequantize(Tensor codes, Tensor scale, Tensor? offset, int group_size, bool nibbles, int row0, "
+      "Tensor(a!) out) -> ()");
   m.impl("packed_quantized_matmul", c10::DispatchKey::CPU, &packed_quantized_matmul);
   m.impl("quantized_matmul_isas", c10::DispatchKey::CatchAll, &quantized_matmul_isas);
+  m.impl("packed_dequantize", c10::DispatchKey::CPU, &packed_dequantize);
 }

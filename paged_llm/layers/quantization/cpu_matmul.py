@@ -14,6 +14,7 @@ by the same ``x̂``.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,16 @@ ROWS_PER_BLOCK = 16
 # Weight rows the torch route dequantizes at a time (an LM head never whole in float32).
 DEQUANTIZED_ROWS = 4096
 _CODE_MAX = 127.0
+# From how many activation rows a bfloat16 matmul by a packed weight runs as
+# `dequantized_matmul`, by the kernel's pass and whether its codes are 4-bit: where that
+# measured faster than the W8A8 kernel on one SmolLM2-135M layer's projections (2 threads,
+# Xeon with AMX; `benchmarks.linear_kernels`). The W8A8 kernel's float scaling of each
+# span's integer sums costs about as much as the span's AMX products, and the bfloat16
+# GEMM scales nothing, so from some size the weight's conversion (300 us a layer) pays.
+# us a layer, kernel / dequantized, int8: 4,881 / 5,753 at 1,280 rows, 5,956 / 5,072 at
+# 1,536; Q4_1: 1,007 / 1,031 at 96 rows, 1,158 / 1,077 at 112, 24,812 / 6,562 at 2,048.
+# Other passes have no measured crossover: their kernel runs at every size.
+_DEQUANTIZED_MIN_ROWS = {("amx", False): 1536, ("amx", True): 112}
 
 
 @functools.cache
@@ -57,6 +68,12 @@ def kernel_isa() -> str | None:
         return None
     fastest = csrc_cpu.quantized_matmul_isas()[0]
     return None if fastest == "generic" else fastest
+
+
+def dequantized_min_rows(isa: str, nibbles: bool) -> float:
+    """Rows from which `matmul` multiplies a bfloat16 ``x`` by the dequantized weight
+    (infinite where the pass has no measured crossover)."""
+    return _DEQUANTIZED_MIN_ROWS.get((isa, nibbles), float("inf"))
 
 
 def activation_block(group_size: int, num_features: int, input_split_width: int | None) -> int:
@@ -237,6 +254,37 @@ def packed_matmul(x: torch.Tensor, weight: CpuPackedWeight, isa: str) -> torch.T
     )
 
 
+def dequantized_matmul(x: torch.Tensor, weight: CpuPackedWeight) -> torch.Tensor:
+    """``x @ W.T`` for bfloat16 ``x``, ``W`` dequantized to bfloat16 on this call (exact
+    `GroupQuantizedWeight.dequantize` values, `DEQUANTIZED_ROWS` rows at a time) and
+    multiplied by oneDNN's GEMM: the activations are not rounded."""
+    num_rows, num_features = weight.shape
+    return _by_row_chunks(
+        num_rows,
+        lambda rows: F.linear(
+            x,
+            csrc_cpu.packed_dequantize(
+                weight.codes,
+                weight.scale,
+                weight.offset,
+                weight.group_size,
+                weight.nibbles,
+                rows,
+                num_features,
+            ),
+        ),
+    )
+
+
+def _by_row_chunks(num_rows: int, multiply: Callable[[range], torch.Tensor]) -> torch.Tensor:
+    """The outputs of ``multiply`` by each `DEQUANTIZED_ROWS` weight rows, side by side."""
+    outputs = [
+        multiply(range(start, min(num_rows, start + DEQUANTIZED_ROWS)))
+        for start in range(0, num_rows, DEQUANTIZED_ROWS)
+    ]
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+
+
 def matmul(
     x: torch.Tensor,
     weight: CpuPackedWeight | GroupQuantizedWeight,
@@ -244,20 +292,21 @@ def matmul(
 ) -> torch.Tensor:
     """``x̂ @ W.T`` in ``x``'s dtype, in a layer whose input is whole or split over ranks
     (`pack`): through the kernel for a packed weight, else by dequantizing
-    `DEQUANTIZED_ROWS` rows at a time in torch."""
+    `DEQUANTIZED_ROWS` rows at a time in torch. A bfloat16 ``x`` of
+    `dequantized_min_rows` rows or more multiplies by the bfloat16 weight instead
+    (`dequantized_matmul`), unrounded."""
     if isinstance(weight, CpuPackedWeight):
         isa = kernel_isa()
         assert isa is not None, "a weight is packed only where the kernel runs"
+        if x.dtype == torch.bfloat16 and x.shape[0] >= dequantized_min_rows(isa, weight.nibbles):
+            return dequantized_matmul(x, weight)
         return packed_matmul(x, weight, isa)
     block = activation_block(weight.group_size, weight.shape[1], input_split_width)
     rounded = rounded_activations(x, block)
-    num_rows = weight.shape[0]
-    blocks = [
-        F.linear(
-            rounded,
-            weight.rows(start, min(DEQUANTIZED_ROWS, num_rows - start)).dequantize(torch.float32),
-        )
-        for start in range(0, num_rows, DEQUANTIZED_ROWS)
-    ]
-    out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-1)
+    out = _by_row_chunks(
+        weight.shape[0],
+        lambda rows: F.linear(
+            rounded, weight.rows(rows.start, len(rows)).dequantize(torch.float32)
+        ),
+    )
     return out.to(x.dtype)

@@ -212,3 +212,107 @@ def test_the_torch_route_computes_the_same_product(
     for route in (weight, cpu_matmul.pack(weight, input_split_width)):
         out = cpu_matmul.matmul(x, route, input_split_width)
         assert ((out.double() - expected).abs() <= BOUND * scale + 1e-12).all()
+
+
+# (rows, out_features, in_features, first row): whole and partial row blocks, features
+# not a multiple of a packed vector's 4 or 8, and a range that starts past row 0.
+DEQUANTIZED_RANGES = [(33, 33, 96, 0), (40, 97, 160, 16), (7, 7, 72, 0), (64, 80, 64, 32)]
+DEQUANTIZE_CASES = [
+    (*layout, *shape)
+    for layout in LAYOUTS
+    for shape in DEQUANTIZED_RANGES
+    if shape[2] % (layout[1] or shape[2]) == 0
+]
+
+
+@pytest.mark.parametrize(
+    ("bits", "group_size", "rows", "out_features", "in_features", "start"), DEQUANTIZE_CASES
+)
+@pytest.mark.parametrize("float16_scales", [False, True])
+def test_packed_rows_dequantize_to_bfloat16_bit_for_bit(
+    bits: int,
+    group_size: int,
+    rows: int,
+    out_features: int,
+    in_features: int,
+    start: int,
+    float16_scales: bool,
+) -> None:
+    """`csrc_cpu.packed_dequantize` makes the values torch's dequantize makes, rounded once
+    to bfloat16, from float32 or float16 scales and offsets."""
+    group = group_size or in_features
+    torch.manual_seed(rows + in_features)
+    weight = random_weight(out_features, in_features, bits, group, offset=bits != 8)
+    if float16_scales:
+        weight = dataclasses.replace(
+            weight,
+            scale=weight.scale.half().float(),
+            offset=None if weight.offset is None else weight.offset.half().float(),
+        )
+    packed = cpu_matmul.pack(weight, None)
+    assert (packed.scale.dtype == torch.float16) == float16_scales
+    stop = min(out_features, start + rows)
+    dequantized = csrc_cpu.packed_dequantize(
+        packed.codes,
+        packed.scale,
+        packed.offset,
+        packed.group_size,
+        packed.nibbles,
+        range(start, stop),
+        in_features,
+    )
+    expected = weight.dequantize(torch.bfloat16)[start:stop]
+    assert torch.equal(dequantized.view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (8, 0)])
+def test_bfloat16_activations_from_the_crossover_multiply_the_dequantized_weight(
+    bits: int, group_size: int
+) -> None:
+    """From `dequantized_min_rows` rows (where this CPU's pass has a measured crossover) a
+    bfloat16 matmul is the bfloat16 GEMM by the dequantized weight, its activations
+    unrounded; a row fewer, the kernel's W8A8 product."""
+    isa = cpu_matmul.kernel_isa()
+    assert isa is not None
+    torch.manual_seed(bits)
+    in_features = 96
+    weight = random_weight(40, in_features, bits, group_size or in_features, offset=bits != 8)
+    packed = cpu_matmul.pack(weight, None)
+    crossover = cpu_matmul.dequantized_min_rows(isa, packed.nibbles)
+    # Without a measured crossover, the kernel at every size: 4,096 rows stand for "any".
+    rows = 4096 if crossover == float("inf") else int(crossover)
+    x = torch.randn(rows, in_features).bfloat16()
+    dequantized_product = torch.nn.functional.linear(x, weight.dequantize(torch.bfloat16))
+    for count in (rows - 1, rows):
+        out = cpu_matmul.matmul(x[:count], packed, None)
+        if count >= crossover:
+            assert torch.equal(out, dequantized_product[:count])
+        else:
+            assert torch.equal(out, cpu_matmul.packed_matmul(x[:count], packed, isa))
+
+
+def test_batch_invariant_row_tiles_keep_every_row_on_the_kernel() -> None:
+    """`use_fixed_row_tiles` multiplies 16 rows a call, below every crossover: a row's
+    product is the kernel's whatever the batch, which batch_invariant=True relies on."""
+    from paged_llm.layers.linear import Linear, use_fixed_row_tiles
+    from paged_llm.layers.quantization import get_quantized_linear_method
+    from paged_llm.layers.weights import CheckpointTensor
+
+    isa = cpu_matmul.kernel_isa()
+    assert isa is not None
+    torch.manual_seed(5)
+    method = get_quantized_linear_method("int8", triton=False)
+    layer = Linear(64, 48, False, method).to(torch.bfloat16)
+    layer.load_weight(layer.weight, CheckpointTensor("weight", torch.randn(48, 64)), None)
+    method.process_weights_after_loading(layer)
+    use_fixed_row_tiles(layer)
+    (packed,) = layer.quantized_pieces.values()
+    assert isinstance(packed, cpu_matmul.CpuPackedWeight)
+    rows = max(2000, int(min(cpu_matmul.dequantized_min_rows(isa, n) for n in (False, True))))
+    x = torch.randn(rows, 64).bfloat16()
+    with torch.no_grad():
+        batched = layer(x)
+    alone = torch.cat(
+        [cpu_matmul.packed_matmul(x[i : i + 16], packed, isa) for i in range(0, rows, 16)]
+    )
+    assert torch.equal(batched, alone)
