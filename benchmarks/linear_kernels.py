@@ -5,7 +5,8 @@ behind ``quantization=`` (see docs/quantization.md).
 
 Each layer is a paged_llm `Linear` loaded the way the engine loads it (float32 packed for
 oneDNN, bfloat16, int8 and GGUF Q4_1 through csrc_cpu's W8A8 kernel with float32 or
-bfloat16 activations), plus float32 left to torch's own matmul (MKL), the library the
+bfloat16 activations, the latter from `cpu_matmul.dequantized_min_rows` rows by the
+dequantized bfloat16 weight), plus float32 left to torch's own matmul (MKL), the library the
 oneDNN packing replaces, and the kernel's other passes than the one this CPU runs (AVX2,
 generic loops), forced, to say what a CPU without AVX-512 VNNI gets. Each is timed as the
 best of ``--repeats`` calls after a warm-up: the best, not the mean, because the machine
@@ -115,6 +116,7 @@ FORMATS: dict[str, tuple[Make, torch.dtype]] = {
     "int8, float32 act": (_int8_layer, torch.float32),
     "int8, bfloat16 act": (_int8_layer, torch.bfloat16),
     "gguf Q4_1, float32 act": (_gguf_layer, torch.float32),
+    "gguf Q4_1, bfloat16 act": (_gguf_layer, torch.bfloat16),
 }
 FORCED_PASSES: dict[str, tuple[Make, torch.dtype]] = {}
 if csrc_cpu.load():

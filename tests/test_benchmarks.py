@@ -254,7 +254,13 @@ def test_linear_kernels_times_every_weight_format() -> None:
     engine_only = run_module(
         "benchmarks.linear_kernels", "--rows", "1", "--repeats", "1", "--no-forced-passes"
     )
-    for label in ("float32 (oneDNN)", "bfloat16", "int8, bfloat16 act", "gguf Q4_1, float32 act"):
+    for label in (
+        "float32 (oneDNN)",
+        "bfloat16",
+        "int8, bfloat16 act",
+        "gguf Q4_1, float32 act",
+        "gguf Q4_1, bfloat16 act",
+    ):
         assert label in every and label in engine_only
     forced = [line for line in every.splitlines() if " pass " in line]
     other_passes = len(csrc_cpu.quantized_matmul_isas()) - 1 if csrc_cpu.load() else 0
