@@ -909,11 +909,12 @@ void matmul_impl(const Problem& p, const at::Tensor& x, const at::Tensor& codes,
 
 // A product rounded to float32 before the sum that follows: torch's dequantize multiplies
 // and adds in two operations, which the compiler would fuse into one FMA, rounding once
-// (7 * 0.00110688 - 0.00774817 then gives -1.2e-10, not torch's 0). The empty asm hides the
-// product's origin from it.
+// (7 * 0.00110688 - 0.00774817 then gives -1.2e-10, not torch's 0). A volatile store hides
+// the product's origin from it; the scalar loop that needs it takes only what the vector
+// one leaves (a row's last features, a last partial row block) or builds without AVX-512.
 inline float unfused(float product) {
-  asm("" : "+x"(product));
-  return product;
+  volatile float rounded = product;
+  return rounded;
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -926,73 +927,65 @@ inline __m256i to_bfloat16(__m512 values) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
+// The same for a vector: the empty asm makes the product opaque to the compiler at no cost.
 inline __m512 unfused(__m512 product) {
   asm("" : "+v"(product));
   return product;
 }
 
-// Rows 4Q .. 4Q + 3 of a row block at features k .. k + 3: `codes` holds their 4 x 4 codes
-// (16 bytes, row by row, as a packed vector's quarter Q holds them), `scale` and `offset`
-// each code's row's group values. Stored to `rows` (the block's first row, rows K apart).
-template <int Q>
-inline void dequantize_quarter(__m128i codes, bool is_signed, const __m512* scale, const __m512* offset,
-    c10::BFloat16* rows, int64_t K, int64_t k) {
+// Row `row` of a row block at features k .. k + 15 from its 16 codes: times its group's
+// scale, plus its offset, rounded to bfloat16 and stored (32 bytes) at `out`.
+inline void dequantize_row(__m128i codes, bool is_signed, float scale, const float* offset, c10::BFloat16* out) {
   const __m512i wide = is_signed ? _mm512_cvtepi8_epi32(codes) : _mm512_cvtepu8_epi32(codes);
-  __m512 values = unfused(_mm512_mul_ps(_mm512_cvtepi32_ps(wide), scale[Q]));
-  if (offset != nullptr) values = _mm512_add_ps(values, offset[Q]);
-  const __m256i rounded = to_bfloat16(values);
-  const int64_t four[4] = {_mm256_extract_epi64(rounded, 0), _mm256_extract_epi64(rounded, 1),
-      _mm256_extract_epi64(rounded, 2), _mm256_extract_epi64(rounded, 3)};
-  for (int i = 0; i < 4; ++i) std::memcpy(rows + (4 * Q + i) * K + k, four + i, sizeof(int64_t));
+  __m512 values = unfused(_mm512_mul_ps(_mm512_cvtepi32_ps(wide), _mm512_set1_ps(scale)));
+  if (offset != nullptr) values = _mm512_add_ps(values, _mm512_set1_ps(*offset));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), to_bfloat16(values));
 }
 
-template <int Q>
-inline void dequantize_quarter_of(__m512i vector, bool is_signed, const __m512* scale, const __m512* offset,
-    c10::BFloat16* rows, int64_t K, int64_t k) {
-  dequantize_quarter<Q>(_mm512_extracti32x4_epi32(vector, Q), is_signed, scale, offset, rows, K, k);
+// Rows 4L + i of a row block from `rows_i` (lane L of vector i holds row 4L + i's 16 codes).
+template <int L>
+inline void dequantize_rows_of_lane(const __m512i (&rows_i)[4], bool is_signed, const float* scale,
+    const float* offset, c10::BFloat16* rows, int64_t K, int64_t k) {
+  for (int i = 0; i < 4; ++i) {
+    const int64_t row = 4 * L + i;
+    dequantize_row(_mm512_extracti32x4_epi32(rows_i[i], L), is_signed, scale[row],
+        offset != nullptr ? offset + row : nullptr, rows + row * K + k);
+  }
 }
 
-inline void dequantize_vector(__m512i vector, bool is_signed, const __m512* scale, const __m512* offset,
-    c10::BFloat16* rows, int64_t K, int64_t k) {
-  dequantize_quarter_of<0>(vector, is_signed, scale, offset, rows, K, k);
-  dequantize_quarter_of<1>(vector, is_signed, scale, offset, rows, K, k);
-  dequantize_quarter_of<2>(vector, is_signed, scale, offset, rows, K, k);
-  dequantize_quarter_of<3>(vector, is_signed, scale, offset, rows, K, k);
-}
-
-// A whole row block's (16 rows') features below the last whole packed vector under K;
-// returns the feature where it stopped. `scale` and `offset` (or null): [groups][16].
+// A whole row block's (16 rows') features below the last multiple of 16 under K; returns
+// the feature where it stopped. `scale` and `offset` (or null): [groups][16]. Sixteen
+// features lie in one group (groups are 16 features, a multiple of 32, or whole rows).
 int64_t dequantize_block(const uint8_t* codes, const float* scale, const float* offset, bool nibbles,
     int64_t group_size, int64_t num_groups, int64_t K, c10::BFloat16* rows) {
-  const int64_t width = nibbles ? 8 : 4;  // features of one packed vector
-  const int64_t whole = K / width * width;
-  // Lane i of quarter q holds row 4q + i / 4: each row's group value spread over its 4 lanes.
-  const __m512i row_of_lane = _mm512_srli_epi32(
-      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2);
-  __m512 scales[4], offsets[4];
-  int64_t current = -1;
-  for (int64_t k = 0; k < whole; k += width) {
-    const int64_t g = std::min(k / group_size, num_groups - 1);
-    if (g != current) {
-      current = g;
-      const __m512 group_scale = _mm512_loadu_ps(scale + g * kRowsPerBlock);
-      const __m512 group_offset = offset != nullptr ? _mm512_loadu_ps(offset + g * kRowsPerBlock) : group_scale;
-      for (int q = 0; q < 4; ++q) {
-        const __m512i lanes = _mm512_add_epi32(row_of_lane, _mm512_set1_epi32(4 * q));
-        scales[q] = _mm512_permutexvar_ps(lanes, group_scale);
-        offsets[q] = _mm512_permutexvar_ps(lanes, group_offset);
-      }
-    }
-    const __m512i vector = _mm512_loadu_si512(codes + k / width * kBlockBytes);
-    const __m512* offset_values = offset != nullptr ? offsets : nullptr;
+  const int64_t whole = K / 16 * 16;
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  for (int64_t k = 0; k < whole; k += 16) {
+    // Four vectors of features k + 4j .. k + 4j + 3 (j = 0..3), row r's four codes in 32-bit
+    // lane r: 8-bit codes are packed so; a 4-bit vector holds two of them, low nibbles first.
+    __m512i v[4];
     if (nibbles) {
-      const __m512i mask = _mm512_set1_epi8(0x0F);
-      dequantize_vector(_mm512_and_si512(vector, mask), false, scales, offset_values, rows, K, k);
-      dequantize_vector(_mm512_and_si512(_mm512_srli_epi16(vector, 4), mask), false, scales, offset_values, rows,
-          K, k + 4);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i packed = _mm512_loadu_si512(codes + (k / 8 + h) * kBlockBytes);
+        v[2 * h] = _mm512_and_si512(packed, low_nibbles);
+        v[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+      }
     } else {
-      dequantize_vector(vector, true, scales, offset_values, rows, K, k);
+      for (int j = 0; j < 4; ++j) v[j] = _mm512_loadu_si512(codes + (k / 4 + j) * kBlockBytes);
     }
+    // A 4 x 4 transpose of 32-bit lanes within each 128-bit lane: lane L of rows_i[i] then
+    // holds row 4L + i's codes for features k .. k + 15, in order.
+    const __m512i t0 = _mm512_unpacklo_epi32(v[0], v[1]), t1 = _mm512_unpackhi_epi32(v[0], v[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(v[2], v[3]), t3 = _mm512_unpackhi_epi32(v[2], v[3]);
+    const __m512i rows_i[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+        _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+    const int64_t g = std::min(k / group_size, num_groups - 1);
+    const float* group_scale = scale + g * kRowsPerBlock;
+    const float* group_offset = offset != nullptr ? offset + g * kRowsPerBlock : nullptr;
+    dequantize_rows_of_lane<0>(rows_i, !nibbles, group_scale, group_offset, rows, K, k);
+    dequantize_rows_of_lane<1>(rows_i, !nibbles, group_scale, group_offset, rows, K, k);
+    dequantize_rows_of_lane<2>(rows_i, !nibbles, group_scale, group_offset, rows, K, k);
+    dequantize_rows_of_lane<3>(rows_i, !nibbles, group_scale, group_offset, rows, K, k);
   }
   return whole;
 }
