@@ -1,7 +1,9 @@
 """Quantized matmuls on CPU, W8A8: the activations are quantized to int8 per block of
 `activation_block` features (``d = amax / 127``, ``q = round(x * 127 / amax)``, llama.cpp's
 Q8_0 activations) and multiplied by the weight's integer codes, so every route computes
-``x̂ @ W.T`` for those rounded rows ``x̂ = d * q``, at any batch size.
+``x̂ @ W.T`` for those rounded rows ``x̂ = d * q``, at any batch size; except a bfloat16
+matmul of `dequantized_min_rows` rows or more, which multiplies its activations as they
+are by the weight dequantized to bfloat16 (`dequantized_matmul`).
 
 A group-quantized weight (GGUF, GPTQ, AWQ, compressed-tensors) or a per-channel int8 one is
 repacked once at load time into a `CpuPackedWeight`, 16 output rows by 4 features per
@@ -52,7 +54,7 @@ _CODE_MAX = 127.0
 # measured faster than the W8A8 kernel on one SmolLM2-135M layer's projections (2 threads,
 # Xeon with AMX; `benchmarks.linear_kernels`). The W8A8 kernel's float scaling of each
 # span's integer sums costs about as much as the span's AMX products, and the bfloat16
-# GEMM scales nothing, so from some size the weight's conversion (300 us a layer) pays.
+# GEMM scales nothing, so from some size the weight's conversion (256 us a layer) pays.
 # us a layer, kernel / dequantized, int8: 4,881 / 5,753 at 1,280 rows, 5,956 / 5,072 at
 # 1,536; Q4_1: 1,007 / 1,031 at 96 rows, 1,158 / 1,077 at 112, 24,812 / 6,562 at 2,048.
 # Other passes have no measured crossover: their kernel runs at every size.
