@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from paged_llm.engine_args import EngineArgs
 from paged_llm.frontend.chat import read_chat_template
@@ -44,16 +44,20 @@ class ModelInfo:
     def load(cls, args: EngineArgs) -> ModelInfo:
         """Resolve ``args.model`` (a directory, a .gguf file or a cached hub id) and read it."""
         model = args.model
-        model_dir = resolve_model(
+        resolved = resolve_model(
             model,
             revision=args.revision,
             quantization=args.quantization,
             quantize_embeddings=args.quantize_embeddings,
-        ).path
-        hf_config = _hf_config(model_dir, args)
+        )
+        model_dir = resolved.path
+        hf_config = _hf_config(model_dir, args, resolved.from_gguf)
         tokenizer = None
         if not args.skip_tokenizer_init:
-            tokenizer = _load_tokenizer(args.tokenizer or model_dir, args)
+            # A conversion's tokenizer is told the config, which it would otherwise read
+            # through its class (`_hf_config`).
+            tokenizer_config = hf_config if resolved.from_gguf and not args.tokenizer else None
+            tokenizer = _load_tokenizer(args.tokenizer or model_dir, args, tokenizer_config)
             if len(tokenizer) > hf_config.vocab_size:
                 logger.warning(
                     "The tokenizer has %d tokens, more than the model's vocabulary of %d: "
@@ -102,9 +106,16 @@ class ModelInfo:
         return SamplingParams(**fields)
 
 
-def _hf_config(model_dir: Path, args: EngineArgs) -> Any:
-    """The model's Hugging Face config with ``hf_overrides`` applied."""
-    hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=args.trust_remote_code)
+def _hf_config(model_dir: Path, args: EngineArgs, whole: bool) -> Any:
+    """The model's Hugging Face config with ``hf_overrides`` applied. A config.json that
+    holds every field (``whole``: a GGUF conversion's) is read as transformers' base
+    config class: the model's own class would add only defaults and checks, and
+    transformers 5.25's `LlamaConfig` imports its model-loading stack on first use
+    (torch.distributed.tensor, sympy, accelerate: 64 MiB and 0.6 s of every start)."""
+    if whole:
+        hf_config = PretrainedConfig.from_json_file(model_dir / "config.json")
+    else:
+        hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=args.trust_remote_code)
     overrides = args.hf_overrides
     if callable(overrides):
         return overrides(hf_config)
@@ -124,11 +135,15 @@ _TOKENIZER_FILES = (
 )
 
 
-def _load_tokenizer(source: str | Path, args: EngineArgs) -> PreTrainedTokenizerBase:
-    """The tokenizer of ``source``, or a ValueError naming it and the files looked for."""
+def _load_tokenizer(
+    source: str | Path, args: EngineArgs, config: PretrainedConfig | None
+) -> PreTrainedTokenizerBase:
+    """The tokenizer of ``source``, or a ValueError naming it and the files looked for;
+    ``config``: the model's, where already read (else transformers reads it)."""
     try:
         tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
             source,
+            config=config,
             trust_remote_code=args.trust_remote_code,
             revision=args.tokenizer_revision,
             use_fast=args.tokenizer_mode != "slow",

@@ -44,8 +44,9 @@ from paged_llm.model_files.gguf_layout import GgufLayout, check_gguf_layout
 logger = logging.getLogger(__name__)
 
 # Part of every cache key: bump it when the converted layout or values change, so that entries
-# written by an older converter are not reused.
-CONVERTER_VERSION = 1
+# written by an older converter are not reused. 2: config.json holds every field, not only
+# those that differ from the config class's defaults (see `ResolvedModel.from_gguf`).
+CONVERTER_VERSION = 2
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -285,7 +286,8 @@ def convert_gguf(
             f"only {free / 1e9:.1f} GB are free (set PAGED_LLM_CACHE to another disk)"
         )
     _write_weights(gguf, plans, out_dir, max_shard_bytes)
-    config.save_pretrained(out_dir)
+    # Whole, not as a diff from the class's defaults: paged_llm reads it without the class.
+    config.to_json_file(out_dir / "config.json", use_diff=False)
     _generation_config(reader).save_pretrained(out_dir)
     tokenizer = transformers.AutoTokenizer.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name

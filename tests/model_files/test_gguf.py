@@ -241,9 +241,18 @@ def test_converted_model_gives_original_logits(
 
     resolved = resolve_model(gguf_path)
 
-    assert resolved.source == "gguf"
+    assert resolved.source == "gguf" and resolved.from_gguf
     assert resolved.path.parent == cache / "gguf"
     config = transformers.AutoConfig.from_pretrained(resolved.path)
+    # config.json holds every field of the model's config class, so paged_llm reads it
+    # through the base class (`model_info._hf_config`) into the same values; all but
+    # transformers' own generation switch `use_cache`, which the base class drops and
+    # paged_llm never reads, and the path it was read from.
+    read = transformers.PretrainedConfig.from_json_file(resolved.path / "config.json")
+    fields = [name for name in config.to_dict() if name not in ("use_cache", "_name_or_path")]
+    assert {name: getattr(read, name, None) for name in fields} == {
+        name: getattr(config, name) for name in fields
+    }
     assert config.architectures == [type(original).__name__]
     assert config.tie_word_embeddings is tied
     assert config.rms_norm_eps == 1e-5
