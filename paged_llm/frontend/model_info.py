@@ -56,8 +56,8 @@ class ModelInfo:
         if not args.skip_tokenizer_init:
             # A conversion's tokenizer is told the config, which it would otherwise read
             # through its class (`_hf_config`).
-            tokenizer_config = hf_config if resolved.from_gguf and not args.tokenizer else None
-            tokenizer = _load_tokenizer(args.tokenizer or model_dir, args, tokenizer_config)
+            known_config = hf_config if resolved.from_gguf and not args.tokenizer else None
+            tokenizer = _load_tokenizer(args.tokenizer or model_dir, args, known_config)
             if len(tokenizer) > hf_config.vocab_size:
                 logger.warning(
                     "The tokenizer has %d tokens, more than the model's vocabulary of %d: "
