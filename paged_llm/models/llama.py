@@ -238,7 +238,7 @@ class LlamaForCausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config says so; call again after
-        `to_empty`, which materializes the two as separate tensors."""
+        `model_loading.materialize`, which gives the two separate tensors."""
         if self.lm_head is not None and getattr(self.config, "tie_word_embeddings", False):
             self.lm_head.tie_to(self.model.embed_tokens)
 
