@@ -9,8 +9,10 @@ import pytest
 import torch
 
 import csrc_cpu
-from paged_llm.layers.quantization import cpu_matmul
+from paged_llm.layers.linear import Linear, use_fixed_row_tiles
+from paged_llm.layers.quantization import cpu_matmul, get_quantized_linear_method
 from paged_llm.layers.quantization.grouped_weight import GroupQuantizedWeight
+from paged_llm.layers.weights import CheckpointTensor
 
 if not csrc_cpu.load():
     pytest.skip("csrc_cpu's kernels could not be built here", allow_module_level=True)
@@ -294,10 +296,6 @@ def test_bfloat16_activations_from_the_crossover_multiply_the_dequantized_weight
 def test_batch_invariant_row_tiles_keep_every_row_on_the_kernel() -> None:
     """`use_fixed_row_tiles` multiplies 16 rows a call, below every crossover: a row's
     product is the kernel's whatever the batch, which batch_invariant=True relies on."""
-    from paged_llm.layers.linear import Linear, use_fixed_row_tiles
-    from paged_llm.layers.quantization import get_quantized_linear_method
-    from paged_llm.layers.weights import CheckpointTensor
-
     isa = cpu_matmul.kernel_isa()
     assert isa is not None
     torch.manual_seed(5)
