@@ -254,6 +254,11 @@ def test_linear_kernels_times_every_weight_format() -> None:
     engine_only = run_module(
         "benchmarks.linear_kernels", "--rows", "1", "--repeats", "1", "--no-forced-passes"
     )
+    routes = run_module(
+        "benchmarks.linear_kernels",
+        "--rows", "1", "--repeats", "1", "--no-forced-passes", "--routes",
+        "--model", "smollm2-360m",
+    )  # fmt: skip
     for label in (
         "float32 (oneDNN)",
         "bfloat16",
@@ -261,11 +266,19 @@ def test_linear_kernels_times_every_weight_format() -> None:
         "gguf Q4_1, float32 act",
         "gguf Q4_1, bfloat16 act",
     ):
-        assert label in every and label in engine_only
+        assert label in every and label in engine_only and label in routes
     forced = [line for line in every.splitlines() if " pass " in line]
     other_passes = len(csrc_cpu.quantized_matmul_isas()) - 1 if csrc_cpu.load() else 0
     assert len(forced) == 2 * other_passes
     assert not any(" pass " in line for line in engine_only.splitlines())
+    # Each route forced, in the layer's total and in each projection's own table (the
+    # published shapes: SmolLM2-360M's q/k/v take 960 features to 960 + 2 x 320).
+    assert "smollm2-360m decoder layer" in routes and "qkv (960 -> 1600 features)" in routes
+    for route in ("W8A8 kernel", "dequantized"):
+        for weights in ("int8", "gguf Q4_1"):
+            label = f"{weights}, bfloat16 act, {route}"
+            assert sum(label in line for line in routes.splitlines()) == 5
+            assert label not in engine_only
 
 
 @pytest.mark.slow

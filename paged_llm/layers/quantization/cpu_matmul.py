@@ -49,16 +49,44 @@ ROWS_PER_BLOCK = 16
 # Weight rows the torch route dequantizes at a time (an LM head never whole in float32).
 DEQUANTIZED_ROWS = 4096
 _CODE_MAX = 127.0
-# From how many activation rows a bfloat16 matmul by a packed weight runs as
-# `dequantized_matmul`, by the kernel's pass and whether its codes are 4-bit: where that
-# measured faster than the W8A8 kernel on one SmolLM2-135M layer's projections (2 threads,
-# Xeon with AMX; `benchmarks.linear_kernels`). The W8A8 kernel's float scaling of each
-# span's integer sums costs about as much as the span's AMX products, and the bfloat16
-# GEMM scales nothing, so from some size the weight's conversion (256 us a layer) pays.
-# us a layer, kernel / dequantized, int8: 4,881 / 5,753 at 1,280 rows, 5,956 / 5,072 at
-# 1,536; Q4_1: 1,007 / 1,031 at 96 rows, 1,158 / 1,077 at 112, 24,812 / 6,562 at 2,048.
-# Other passes have no measured crossover: their kernel runs at every size.
-_DEQUANTIZED_MIN_ROWS = {("amx", False): 1536, ("amx", True): 112}
+
+
+@dataclass(frozen=True)
+class DequantizedRoute:
+    """Where a bfloat16 matmul by a packed weight runs as `dequantized_matmul`: from
+    ``min_rows`` activation rows, before weights of at most ``max_values`` values."""
+
+    min_rows: int
+    max_values: float = float("inf")
+
+
+# The routes by the kernel's pass, whether the codes are 4-bit and the weight's activation
+# block (the span whose integer sums are scaled at once): where the dequantized weight
+# measured faster than the W8A8 kernel, projection by projection (2 threads, Xeon with
+# AMX; the two timed in turn, best of 4-6; `python -m benchmarks.linear_kernels --routes
+# --model M` for SmolLM2-135M/360M and Llama-3.2-1B, docs/quantization.md). The kernel's
+# float scaling of a span's sums costs about as much as its AMX products, and the bfloat16
+# GEMM scales nothing, so from some size the weight's conversion pays, the sooner the
+# shorter the span. us, kernel / dequantized:
+# - 4-bit codes, spans of 32 (Q4_1): within 15% of each other at 112 rows on every shape
+#   measured; at 2,048 rows 11,829 / 2,832 on SmolLM2-135M's gate_up, 248,823 / 74,534 on
+#   Llama-3.2-1B's.
+# - 8-bit codes, spans of 32 (Q8_0): at 128 rows within 8%; at 256 1,202 / 769 (576 x
+#   3,072) and 2,741 / 1,792 (2,048 x 2,048), but 21,640 / 26,689 before Llama-3.2-1B's
+#   gate_up (33.5M values), which crosses at 512.
+# - 8-bit codes, spans of 64 (int8's o and down): at 1,536 rows 777 / 553 (576 x 576),
+#   4,322 / 3,972 (2,560 x 960), 7,853 / 6,863 (2,048 x 2,048), at 1,024 the kernel ahead
+#   on most; past 2^22 values the kernel is ahead at 1,536 rows (30,905 / 42,284 on
+#   8,192 x 2,048; 29,065 / 37,956 on 4,096 x 4,096) and about even at 2,048.
+# - 8-bit codes, spans of 128 (int8's q/k/v, gate/up, LM head): the dequantized weight
+#   ahead by 13% at most (1,536-2,048 rows on 576 x 960 and 960 x 1,600), behind by up to
+#   42% (Llama-3.2-1B's gate_up): the kernel at every size.
+# Other passes and layouts have no measured crossover: their kernel runs at every size.
+_DEQUANTIZED_ROUTES = {
+    ("amx", True, ACT_BLOCK): DequantizedRoute(112),
+    ("amx", False, ACT_BLOCK): DequantizedRoute(256),
+    ("amx", False, SPLIT_ROW_ACT_BLOCK): DequantizedRoute(1536, max_values=2**22),
+}
 
 
 @functools.cache
@@ -72,10 +100,14 @@ def kernel_isa() -> str | None:
     return None if fastest == "generic" else fastest
 
 
-def dequantized_min_rows(isa: str, nibbles: bool) -> float:
-    """Rows from which `matmul` multiplies a bfloat16 ``x`` by the dequantized weight
-    (infinite where the pass has no measured crossover)."""
-    return _DEQUANTIZED_MIN_ROWS.get((isa, nibbles), float("inf"))
+def dequantized_min_rows(isa: str, weight: CpuPackedWeight) -> float:
+    """Rows from which `matmul` multiplies a bfloat16 ``x`` by ``weight`` dequantized
+    (infinite where the pass has no measured crossover for that weight)."""
+    route = _DEQUANTIZED_ROUTES.get((isa, weight.nibbles, weight.act_block))
+    num_rows, num_features = weight.shape
+    if route is None or num_rows * num_features > route.max_values:
+        return float("inf")
+    return route.min_rows
 
 
 def activation_block(group_size: int, num_features: int, input_split_width: int | None) -> int:
@@ -300,7 +332,7 @@ def matmul(
     if isinstance(weight, CpuPackedWeight):
         isa = kernel_isa()
         assert isa is not None, "a weight is packed only where the kernel runs"
-        if x.dtype == torch.bfloat16 and x.shape[0] >= dequantized_min_rows(isa, weight.nibbles):
+        if x.dtype == torch.bfloat16 and x.shape[0] >= dequantized_min_rows(isa, weight):
             return dequantized_matmul(x, weight)
         return packed_matmul(x, weight, isa)
     block = activation_block(weight.group_size, weight.shape[1], input_split_width)

@@ -267,30 +267,53 @@ def test_packed_rows_dequantize_to_bfloat16_bit_for_bit(
     assert torch.equal(dequantized.view(torch.int16), expected.view(torch.int16))
 
 
-@pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (8, 0)])
+# (bits, group size: 0 for one group a row, input split width): a weight of each
+# activation block, 32 (4- and 8-bit codes), 64 (int8's o and down) and 128 (q/k/v, ...).
+ROUTED_LAYOUTS = [(4, 32, None), (8, 32, None), (8, 0, 64), (8, 0, None)]
+
+
+@pytest.mark.parametrize(("bits", "group_size", "input_split_width"), ROUTED_LAYOUTS)
 def test_bfloat16_activations_from_the_crossover_multiply_the_dequantized_weight(
-    bits: int, group_size: int
+    bits: int, group_size: int, input_split_width: int | None
 ) -> None:
-    """From `dequantized_min_rows` rows (where this CPU's pass has a measured crossover) a
-    bfloat16 matmul is the bfloat16 GEMM by the dequantized weight, its activations
-    unrounded; a row fewer, the kernel's W8A8 product."""
+    """From `dequantized_min_rows` rows (where this CPU's pass has a measured crossover for
+    the weight) a bfloat16 matmul is the bfloat16 GEMM by the dequantized weight, its
+    activations unrounded; a row fewer, the kernel's W8A8 product."""
     isa = cpu_matmul.kernel_isa()
     assert isa is not None
     torch.manual_seed(bits)
-    in_features = 96
+    in_features = 128
     weight = random_weight(40, in_features, bits, group_size or in_features, offset=bits != 8)
-    packed = cpu_matmul.pack(weight, None)
-    crossover = cpu_matmul.dequantized_min_rows(isa, packed.nibbles)
+    packed = cpu_matmul.pack(weight, input_split_width)
+    crossover = cpu_matmul.dequantized_min_rows(isa, packed)
     # Without a measured crossover, the kernel at every size: 4,096 rows stand for "any".
     rows = 4096 if crossover == float("inf") else int(crossover)
     x = torch.randn(rows, in_features).bfloat16()
     dequantized_product = torch.nn.functional.linear(x, weight.dequantize(torch.bfloat16))
     for count in (rows - 1, rows):
-        out = cpu_matmul.matmul(x[:count], packed, None)
+        out = cpu_matmul.matmul(x[:count], packed, input_split_width)
         if count >= crossover:
             assert torch.equal(out, dequantized_product[:count])
         else:
             assert torch.equal(out, cpu_matmul.packed_matmul(x[:count], packed, isa))
+
+
+def test_bfloat16_activations_before_a_large_int8_weight_stay_on_the_kernel() -> None:
+    """Past 2^22 values, an int8 weight with activation blocks of 64 (an o or down
+    projection) is multiplied by the W8A8 kernel at the rows where a small one's takes the
+    dequantized weight: there the kernel measured as fast or faster."""
+    isa = cpu_matmul.kernel_isa()
+    assert isa is not None
+    torch.manual_seed(7)
+    small = cpu_matmul.pack(random_weight(40, 128, 8, 128, offset=False), 64)
+    large_weight = random_weight(2048, 2112, 8, 2112, offset=False)
+    large = cpu_matmul.pack(large_weight, 64)
+    assert small.act_block == large.act_block == cpu_matmul.SPLIT_ROW_ACT_BLOCK
+    crossover = cpu_matmul.dequantized_min_rows(isa, small)
+    rows = 4096 if crossover == float("inf") else int(crossover)
+    assert cpu_matmul.dequantized_min_rows(isa, large) == float("inf")
+    x = torch.randn(rows, 2112).bfloat16()
+    assert torch.equal(cpu_matmul.matmul(x, large, 64), cpu_matmul.packed_matmul(x, large, isa))
 
 
 def test_batch_invariant_row_tiles_keep_every_row_on_the_kernel() -> None:
@@ -301,12 +324,16 @@ def test_batch_invariant_row_tiles_keep_every_row_on_the_kernel() -> None:
     torch.manual_seed(5)
     method = get_quantized_linear_method("int8", triton=False)
     layer = Linear(64, 48, False, method).to(torch.bfloat16)
+    # An input split at 16 features: activation blocks of 32, the earliest 8-bit crossover.
+    layer.input_split_width = 16
     layer.load_weight(layer.weight, CheckpointTensor("weight", torch.randn(48, 64)), None)
     method.process_weights_after_loading(layer)
     use_fixed_row_tiles(layer)
     (packed,) = layer.quantized_pieces.values()
     assert isinstance(packed, cpu_matmul.CpuPackedWeight)
-    rows = max(2000, int(min(cpu_matmul.dequantized_min_rows(isa, n) for n in (False, True))))
+    assert packed.act_block == cpu_matmul.ACT_BLOCK
+    crossover = cpu_matmul.dequantized_min_rows(isa, packed)
+    rows = 2000 if crossover == float("inf") else max(2000, int(crossover))
     x = torch.randn(rows, 64).bfloat16()
     with torch.no_grad():
         batched = layer(x)
