@@ -72,8 +72,9 @@ class DequantizedRoute:
 #   measured; at 2,048 rows 11,829 / 2,832 on SmolLM2-135M's gate_up, 248,823 / 74,534 on
 #   Llama-3.2-1B's.
 # - 8-bit codes, spans of 32 (Q8_0): at 128 rows within 8%; at 256 1,202 / 769 (576 x
-#   3,072) and 2,741 / 1,792 (2,048 x 2,048), but 21,640 / 26,689 before Llama-3.2-1B's
-#   gate_up (33.5M values), which crosses at 512.
+#   3,072), 2,741 / 1,792 (2,048 x 2,048) and 9,842 / 8,185 (2,048 x 8,192), but past
+#   2^24 values 21,640 / 26,689 (Llama-3.2-1B's gate_up) and 20,835 / 21,021 (SmolLM2's
+#   LM head), which are 1.05x and 1.27x faster dequantized at 512.
 # - 8-bit codes, spans of 64 (int8's o and down): at 1,536 rows 777 / 553 (576 x 576),
 #   4,322 / 3,972 (2,560 x 960), 7,853 / 6,863 (2,048 x 2,048), at 1,024 the kernel ahead
 #   on most; past 2^22 values the kernel is ahead at 1,536 rows (30,905 / 42,284 on
@@ -82,10 +83,11 @@ class DequantizedRoute:
 #   ahead by 13% at most (1,536-2,048 rows on 576 x 960 and 960 x 1,600), behind by up to
 #   42% (Llama-3.2-1B's gate_up): the kernel at every size.
 # Other passes and layouts have no measured crossover: their kernel runs at every size.
+# The first of a key's routes whose bound the weight is within applies.
 _DEQUANTIZED_ROUTES = {
-    ("amx", True, ACT_BLOCK): DequantizedRoute(112),
-    ("amx", False, ACT_BLOCK): DequantizedRoute(256),
-    ("amx", False, SPLIT_ROW_ACT_BLOCK): DequantizedRoute(1536, max_values=2**22),
+    ("amx", True, ACT_BLOCK): (DequantizedRoute(112),),
+    ("amx", False, ACT_BLOCK): (DequantizedRoute(256, max_values=2**24), DequantizedRoute(512)),
+    ("amx", False, SPLIT_ROW_ACT_BLOCK): (DequantizedRoute(1536, max_values=2**22),),
 }
 
 
@@ -103,11 +105,11 @@ def kernel_isa() -> str | None:
 def dequantized_min_rows(isa: str, weight: CpuPackedWeight) -> float:
     """Rows from which `matmul` multiplies a bfloat16 ``x`` by ``weight`` dequantized
     (infinite where the pass has no measured crossover for that weight)."""
-    route = _DEQUANTIZED_ROUTES.get((isa, weight.nibbles, weight.act_block))
     num_rows, num_features = weight.shape
-    if route is None or num_rows * num_features > route.max_values:
-        return float("inf")
-    return route.min_rows
+    for route in _DEQUANTIZED_ROUTES.get((isa, weight.nibbles, weight.act_block), ()):
+        if num_rows * num_features <= route.max_values:
+            return route.min_rows
+    return float("inf")
 
 
 def activation_block(group_size: int, num_features: int, input_split_width: int | None) -> int:

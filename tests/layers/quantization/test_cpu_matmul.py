@@ -298,22 +298,32 @@ def test_bfloat16_activations_from_the_crossover_multiply_the_dequantized_weight
             assert torch.equal(out, cpu_matmul.packed_matmul(x[:count], packed, isa))
 
 
-def test_bfloat16_activations_before_a_large_int8_weight_stay_on_the_kernel() -> None:
-    """Past 2^22 values, an int8 weight with activation blocks of 64 (an o or down
-    projection) is multiplied by the W8A8 kernel at the rows where a small one's takes the
-    dequantized weight: there the kernel measured as fast or faster."""
+# (bits, group size, input split width, a shape past the size bound of that layout's
+# route): int8's o and down past 2^22 values, Q8_0 past 2^24.
+LARGE_WEIGHTS = [(8, 0, 64, (2048, 2112)), (8, 32, None, (4096, 4128))]
+
+
+@pytest.mark.parametrize(("bits", "group_size", "input_split_width", "shape"), LARGE_WEIGHTS)
+def test_bfloat16_activations_before_a_large_weight_stay_on_the_kernel_longer(
+    bits: int, group_size: int, input_split_width: int | None, shape: tuple[int, int]
+) -> None:
+    """Past its route's size bound, an 8-bit weight is multiplied by the W8A8 kernel at the
+    rows where a small one of its layout takes the dequantized weight: there the kernel
+    measured as fast or faster (int8's o and down at every size, Q8_0 up to 511 rows)."""
     isa = cpu_matmul.kernel_isa()
     assert isa is not None
     torch.manual_seed(7)
-    small = cpu_matmul.pack(random_weight(40, 128, 8, 128, offset=False), 64)
-    large_weight = random_weight(2048, 2112, 8, 2112, offset=False)
-    large = cpu_matmul.pack(large_weight, 64)
-    assert small.act_block == large.act_block == cpu_matmul.SPLIT_ROW_ACT_BLOCK
+    small_weight = random_weight(40, 128, bits, group_size or 128, offset=False)
+    small = cpu_matmul.pack(small_weight, input_split_width)
+    large_weight = random_weight(*shape, bits, group_size or shape[1], offset=False)
+    large = cpu_matmul.pack(large_weight, input_split_width)
+    assert small.act_block == large.act_block
     crossover = cpu_matmul.dequantized_min_rows(isa, small)
     rows = 4096 if crossover == float("inf") else int(crossover)
-    assert cpu_matmul.dequantized_min_rows(isa, large) == float("inf")
-    x = torch.randn(rows, 2112).bfloat16()
-    assert torch.equal(cpu_matmul.matmul(x, large, 64), cpu_matmul.packed_matmul(x, large, isa))
+    assert cpu_matmul.dequantized_min_rows(isa, large) > rows
+    x = torch.randn(rows, shape[1]).bfloat16()
+    out = cpu_matmul.matmul(x, large, input_split_width)
+    assert torch.equal(out, cpu_matmul.packed_matmul(x, large, isa))
 
 
 def test_batch_invariant_row_tiles_keep_every_row_on_the_kernel() -> None:
