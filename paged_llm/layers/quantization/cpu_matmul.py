@@ -63,7 +63,7 @@ class DequantizedRoute:
 # The routes by the kernel's pass, whether the codes are 4-bit and the weight's activation
 # block (the span whose integer sums are scaled at once): where the dequantized weight
 # measured faster than the W8A8 kernel, projection by projection (2 threads, Xeon with
-# AMX; the two timed in turn, best of 4-6; `python -m benchmarks.linear_kernels --routes
+# AMX; best of 4-10 calls; `python -m benchmarks.linear_kernels --routes
 # --model M` for SmolLM2-135M/360M and Llama-3.2-1B, docs/quantization.md). The kernel's
 # float scaling of a span's sums costs about as much as its AMX products, and the bfloat16
 # GEMM scales nothing, so from some size the weight's conversion pays, the sooner the
@@ -79,15 +79,17 @@ class DequantizedRoute:
 #   4,322 / 3,972 (2,560 x 960), 7,853 / 6,863 (2,048 x 2,048), at 1,024 the kernel ahead
 #   on most; past 2^22 values the kernel is ahead at 1,536 rows (30,905 / 42,284 on
 #   8,192 x 2,048; 29,065 / 37,956 on 4,096 x 4,096) and about even at 2,048.
-# - 8-bit codes, spans of 128 (int8's q/k/v, gate/up, LM head): the dequantized weight
-#   ahead by 13% at most (1,536-2,048 rows on 576 x 960 and 960 x 1,600), behind by up to
-#   42% (Llama-3.2-1B's gate_up): the kernel at every size.
+# - 8-bit codes, spans of 128 (int8's q/k/v, gate/up, LM head): at 2,048 rows 3,789 /
+#   3,062 (576 x 3,072) and 2,992 / 2,754 (960 x 1,600), at 1,536 within 14%; past 2^21
+#   values the kernel ahead at 2,048 rows (8,806 / 10,170 on 960 x 5,120; Llama-3.2-1B's
+#   gate_up 56,569 / 92,948).
 # Other passes and layouts have no measured crossover: their kernel runs at every size.
 # The first of a key's routes whose bound the weight is within applies.
 _DEQUANTIZED_ROUTES = {
     ("amx", True, ACT_BLOCK): (DequantizedRoute(112),),
     ("amx", False, ACT_BLOCK): (DequantizedRoute(256, max_values=2**24), DequantizedRoute(512)),
     ("amx", False, SPLIT_ROW_ACT_BLOCK): (DequantizedRoute(1536, max_values=2**22),),
+    ("amx", False, ROW_ACT_BLOCK): (DequantizedRoute(2048, max_values=2**21),),
 }
 
 

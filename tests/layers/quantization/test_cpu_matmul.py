@@ -299,8 +299,13 @@ def test_bfloat16_activations_from_the_crossover_multiply_the_dequantized_weight
 
 
 # (bits, group size, input split width, a shape past the size bound of that layout's
-# route): int8's o and down past 2^22 values, Q8_0 past 2^24.
-LARGE_WEIGHTS = [(8, 0, 64, (2048, 2112)), (8, 32, None, (4096, 4128))]
+# route): int8's o and down past 2^22 values, its other projections past 2^21, Q8_0 past
+# 2^24.
+LARGE_WEIGHTS = [
+    (8, 0, 64, (2048, 2112)),
+    (8, 0, None, (2048, 1040)),
+    (8, 32, None, (4096, 4128)),
+]
 
 
 @pytest.mark.parametrize(("bits", "group_size", "input_split_width", "shape"), LARGE_WEIGHTS)
@@ -309,7 +314,7 @@ def test_bfloat16_activations_before_a_large_weight_stay_on_the_kernel_longer(
 ) -> None:
     """Past its route's size bound, an 8-bit weight is multiplied by the W8A8 kernel at the
     rows where a small one of its layout takes the dequantized weight: there the kernel
-    measured as fast or faster (int8's o and down at every size, Q8_0 up to 511 rows)."""
+    measured as fast or faster (int8 at every size, Q8_0 up to 511 rows)."""
     isa = cpu_matmul.kernel_isa()
     assert isa is not None
     torch.manual_seed(7)
