@@ -267,6 +267,13 @@ def test_packed_rows_dequantize_to_bfloat16_bit_for_bit(
     assert torch.equal(dequantized.view(torch.int16), expected.view(torch.int16))
 
 
+def rows_from_crossover(isa: str, weight: cpu_matmul.CpuPackedWeight, otherwise: int) -> int:
+    """The rows from which ``weight``'s bfloat16 matmul takes the dequantized route, or
+    ``otherwise`` (rows that stand for "any") where its pass has no crossover for it."""
+    crossover = cpu_matmul.dequantized_min_rows(isa, weight)
+    return otherwise if crossover == float("inf") else int(crossover)
+
+
 # (bits, group size: 0 for one group a row, input split width): a weight of each
 # activation block, 32 (4- and 8-bit codes), 64 (int8's o and down) and 128 (q/k/v, ...).
 ROUTED_LAYOUTS = [(4, 32, None), (8, 32, None), (8, 0, 64), (8, 0, None)]
@@ -287,7 +294,7 @@ def test_bfloat16_activations_from_the_crossover_multiply_the_dequantized_weight
     packed = cpu_matmul.pack(weight, input_split_width)
     crossover = cpu_matmul.dequantized_min_rows(isa, packed)
     # Without a measured crossover, the kernel at every size: 4,096 rows stand for "any".
-    rows = 4096 if crossover == float("inf") else int(crossover)
+    rows = rows_from_crossover(isa, packed, otherwise=4096)
     x = torch.randn(rows, in_features).bfloat16()
     dequantized_product = torch.nn.functional.linear(x, weight.dequantize(torch.bfloat16))
     for count in (rows - 1, rows):
@@ -323,8 +330,7 @@ def test_bfloat16_activations_before_a_large_weight_stay_on_the_kernel_longer(
     large_weight = random_weight(*shape, bits, group_size or shape[1], offset=False)
     large = cpu_matmul.pack(large_weight, input_split_width)
     assert small.act_block == large.act_block
-    crossover = cpu_matmul.dequantized_min_rows(isa, small)
-    rows = 4096 if crossover == float("inf") else int(crossover)
+    rows = rows_from_crossover(isa, small, otherwise=4096)
     assert cpu_matmul.dequantized_min_rows(isa, large) > rows
     x = torch.randn(rows, shape[1]).bfloat16()
     out = cpu_matmul.matmul(x, large, input_split_width)
@@ -347,8 +353,7 @@ def test_batch_invariant_row_tiles_keep_every_row_on_the_kernel() -> None:
     (packed,) = layer.quantized_pieces.values()
     assert isinstance(packed, cpu_matmul.CpuPackedWeight)
     assert packed.act_block == cpu_matmul.ACT_BLOCK
-    crossover = cpu_matmul.dequantized_min_rows(isa, packed)
-    rows = 2000 if crossover == float("inf") else max(2000, int(crossover))
+    rows = max(2000, rows_from_crossover(isa, packed, otherwise=2000))
     x = torch.randn(rows, 64).bfloat16()
     with torch.no_grad():
         batched = layer(x)

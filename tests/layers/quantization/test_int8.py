@@ -276,10 +276,10 @@ def test_bfloat16_steps_from_the_crossover_multiply_the_dequantized_weights(
     CPU's crossover for the weight) multiplies by the int8 weights dequantized to bfloat16,
     activations unrounded. Here that is the o and down projections, whose inputs split at
     16 features (activation blocks of 32); q/k/v and gate/up (blocks of 128, from 2,048
-    rows) and the LM head (past 2^21 values) stay on the kernel. Four 400-token prompts in one step: their prompt logprobs stay as
-    close to transformers' float32 ones on the round-tripped weights as transformers'
-    bfloat16 ones do (the bfloat16 parity tolerance). The reference rounds the inputs of
-    the matmuls the kernel runs."""
+    rows) and the LM head (past 2^21 values) stay on the kernel. Four 400-token prompts in
+    one step: their prompt logprobs stay as close to transformers' float32 ones on the
+    round-tripped weights as transformers' bfloat16 ones do (the bfloat16 parity
+    tolerance). The reference rounds the inputs of the matmuls the kernel runs."""
     isa = cpu_matmul.kernel_isa()
     assert isa is not None
     step_rows = 1600
